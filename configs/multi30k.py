@@ -1,0 +1,22 @@
+"""Multi30k (task 1 captions), English -> French; `:de` for English -> German.
+
+  python train.py --config configs/multi30k.py --workdir runs/multi30k \
+      --config.data_dir ../shared/data/multi30k
+Not yet measured on this CPU: no expected figure is claimed.
+"""
+
+from transformer_jax.config import base_config, smoke
+
+
+def get_config(arg=None):
+  c = base_config()
+  c.dataset = "multi30k_en_de" if arg and "de" in arg.split(",") else "multi30k_en_fr"
+  c.vocab_size = 8000
+  c.max_len = 64
+  c.batch_size = 32
+  c.model.update(d_model=256, num_heads=4, ffn_dim=1024, num_encoder_layers=3,
+                 num_decoder_layers=3)
+  c.num_steps = 4000
+  c.learning_rate = 1e-3
+  c.warmup_steps = 400
+  return smoke(c) if arg and "smoke" in arg.split(",") else c

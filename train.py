@@ -1,0 +1,114 @@
+"""Trains the Transformer: python train.py --config configs/NAME.py[:ARG] --workdir DIR.
+
+Re-running the same command with the same workdir resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import sys
+import time
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from clu import periodic_actions
+from ml_collections import config_flags
+
+from transformer_jax import checkpoint, config as config_lib, data, sharding, train_lib, writers
+from transformer_jax.data import pipeline
+from transformer_jax.model import Transformer
+
+config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train_lib.TrainState:
+  """Trains to `config.num_steps`, resuming from the latest checkpoint in `workdir`."""
+  config_lib.validate(config)
+  mesh = sharding.make_mesh(config.mesh_shape)
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  primary = jax.process_index() == 0
+
+  tokenizers, train_examples, eval_examples = data.load_examples(config, workdir)
+  model = Transformer(config_lib.model_config(config, tokenizers.src.vocab_size,
+                                              tokenizers.tgt.vocab_size))
+  state, state_shardings = train_lib.create_train_state(
+      model, train_lib.make_optimizer(config), config.seed, mesh, config.max_len)
+  train_iter = iter(pipeline.train_dataset(
+      train_examples, batch_size=config.batch_size, max_len=config.max_len, seed=config.seed,
+      packing=config.packing, process_index=jax.process_index(),
+      process_count=jax.process_count()))
+  eval_data = pipeline.eval_batches(
+      eval_examples, batch_size=config.eval_batch_size, max_len=config.max_len,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  if config.num_eval_batches > 0:
+    eval_data = eval_data[:config.num_eval_batches]
+
+  ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint_every,
+                                 config.keep_checkpoints)
+  start = ckpt.latest_step() or 0
+  if start:
+    logging.info("Resuming from the checkpoint of step %d in %s", start, ckpt.directory)
+    state = ckpt.restore(start, state, state_shardings, train_iter)
+  else:
+    logging.info("No checkpoint in %s: starting from scratch", ckpt.directory)
+
+  writer = writers.create(workdir, primary)
+  if start == 0:
+    writer.write_hparams(config.to_dict())
+  report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
+  schedule = train_lib.learning_rate_schedule(config)
+  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing)
+
+  with sharding.mesh_context(mesh):
+    history, tick = [], time.perf_counter()
+    for step in range(start + 1, config.num_steps + 1):
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        local = next(train_iter)
+        state, metrics = p_train(state, sharding.global_batch(local, mesh))
+        history.append(metrics)
+      report(step)
+      if step % config.log_every == 0 or step == config.num_steps:
+        summary = {k: float(np.mean([m[k] for m in history])) for k in history[0]}
+        elapsed = time.perf_counter() - tick
+        summary.update(tokens_per_sec=summary["tokens"] * len(history) / elapsed,
+                       learning_rate=float(schedule(step - 1)))
+        writer.write_scalars(step, {f"train/{k}": v for k, v in summary.items()})
+        history, tick = [], time.perf_counter()
+      if step % config.eval_every == 0 or step == config.num_steps:
+        with report.timed("eval"):
+          result = train_lib.summarize_eval(
+              [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
+        writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
+      if step % config.checkpoint_every == 0 or step == config.num_steps:
+        ckpt.save(step, state, train_iter, force=True)
+  writer.flush()
+  ckpt.close()
+  return state
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if flags.FLAGS.config is None or flags.FLAGS.workdir is None:
+    sys.exit("error: --config and --workdir are required")
+  # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
+  logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # Multi-host: one process per host.
+    jax.distributed.initialize()
+  try:
+    train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except (config_lib.ConfigError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,59 @@
+"""Orbax checkpoints of the train state and the grain iterator, saved together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  pass
+
+
+class Checkpointer:
+  """Asynchronous, rotating checkpoints under `directory` (one folder per step).
+
+  Each holds `state` (params, optimizer state, step, dropout key) and `data` (every host's
+  iterator position), so a resumed run sees the same batches and dropout masks.
+  """
+
+  def __init__(self, directory: str | Path, save_every: int, keep: int):
+    self.directory = Path(directory).absolute()
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=save_every, create=True,
+            enable_async_checkpointing=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
+    """Saves if `step` is on the interval (or `force`); returns whether it did."""
+    return self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iterator)), force=force)
+
+  def restore(self, step: int, state_like, state_shardings, data_iterator=None):
+    """Restores the state into `state_shardings` (and the iterator in place, if given).
+
+    Args:
+      state_like: a state (or abstract state) with the structure, shapes and dtypes to restore.
+    """
+    if step not in self.manager.all_steps():
+      raise CheckpointNotFoundError(
+          f"no checkpoint for step {step} in {self.directory} "
+          f"(found: {sorted(self.manager.all_steps()) or 'none'})")
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          state_like, state_shardings)
+    items = {"state": ocp.args.StandardRestore(target)}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    return self.manager.restore(step, args=ocp.args.Composite(**items)).state
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

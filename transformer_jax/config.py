@@ -1,0 +1,122 @@
+"""Checks a ConfigDict once at start-up and turns it into the frozen model config."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import ml_collections
+
+from transformer_jax.data.sources import DATASETS
+from transformer_jax.model import TransformerConfig
+
+SCHEDULES = ("rsqrt", "cosine", "constant")
+
+
+class ConfigError(ValueError):
+  """A config field holds a value the trainer cannot use."""
+
+
+def _check(ok: bool, message: str) -> None:
+  if not ok:
+    raise ConfigError(message)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first bad field; compiles and reads nothing."""
+  _check(config.dataset in DATASETS,
+         f"dataset={config.dataset!r} is unknown; choose one of {sorted(DATASETS)}")
+  if config.data_dir:
+    _check(Path(config.data_dir).is_dir(), f"data_dir={config.data_dir!r} is not a directory")
+  _check(config.tokenizer in ("sentencepiece", "word"),
+         f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'word'")
+  _check(config.overlong in ("drop", "truncate"),
+         f"overlong={config.overlong!r} must be 'drop' or 'truncate'")
+  _check(config.max_len >= 2, f"max_len={config.max_len} must be at least 2")
+  for field in ("batch_size", "eval_batch_size", "num_steps", "log_every", "eval_every",
+                "checkpoint_every", "keep_checkpoints"):
+    _check(config[field] > 0, f"{field}={config[field]} must be positive")
+  _check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
+  _check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
+  _check(0 <= config.label_smoothing < 1,
+         f"label_smoothing={config.label_smoothing} must be in [0, 1)")
+  _check(len(config.mesh_shape) == 3,
+         f"mesh_shape={tuple(config.mesh_shape)} must have 3 entries (data, fsdp, tensor)")
+  m = config.model
+  _check(m.d_model % m.num_heads == 0,
+         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+  _check(m.d_model % 2 == 0, f"model.d_model={m.d_model} must be even (sinusoidal positions)")
+  _check(0 <= m.dropout_rate < 1, f"model.dropout_rate={m.dropout_rate} must be in [0, 1)")
+  _check(m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} must be float32 or bfloat16")
+  _check(not m.share_embeddings or config.tokenizer == "sentencepiece",
+         "model.share_embeddings needs the joint sentencepiece tokenizer")
+
+
+def padded_vocab(size: int, multiple: int = 128) -> int:
+  """Vocabulary rounded up so that it splits evenly over tensor-parallel devices."""
+  return -(-size // multiple) * multiple
+
+
+def model_config(config: ml_collections.ConfigDict, src_vocab: int,
+                 tgt_vocab: int) -> TransformerConfig:
+  fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+  kwargs = config.model.to_dict()
+  unknown = sorted(set(kwargs) - fields)
+  _check(not unknown, f"model.{unknown[0] if unknown else ''} is not a model field")
+  return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
+                           tgt_vocab_size=padded_vocab(tgt_vocab), **kwargs)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field a config can set, with defaults; experiments in configs/ override them."""
+  c = ml_collections.ConfigDict()
+  c.dataset = "fra_eng"
+  c.data_dir = ""  # Local directory with the raw corpus files; empty: download them.
+  c.tfds_dir = ""  # Where tfds prepares datasets; empty: ~/tensorflow_datasets.
+  c.train_split = "train"
+  c.eval_split = "validation"
+  c.tokenizer = "sentencepiece"  # Or "word": d2l's word-level vocabularies.
+  c.vocab_size = 8000  # SentencePiece only.
+  c.max_len = 64  # Tokens per side, <eos> included; also the packed row length.
+  c.overlong = "drop"  # Pairs over max_len: "drop" or "truncate" (both counted and logged).
+  c.packing = True
+  c.batch_size = 64  # Rows per global batch (each up to max_len tokens a side).
+  c.eval_batch_size = 128
+  c.num_eval_batches = -1  # -1: the whole eval split.
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict(dict(
+      d_model=512, num_heads=8, ffn_dim=2048, num_encoder_layers=6, num_decoder_layers=6,
+      dropout_rate=0.1, pre_ln=False, attention_bias=True, share_embeddings=True,
+      tie_output=True, dtype="float32", attention_impl="xla"))
+
+  c.num_steps = 10_000
+  c.schedule = "rsqrt"
+  c.learning_rate = 7e-4  # Peak; the paper's d_model**-0.5 * warmup**-0.5 at base size.
+  c.warmup_steps = 4000
+  c.adam_b1, c.adam_b2, c.adam_eps = 0.9, 0.98, 1e-9
+  c.weight_decay = 0.0
+  c.grad_clip = 1.0
+  c.label_smoothing = 0.1
+
+  c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices.
+  c.log_every = 50
+  c.eval_every = 500
+  c.checkpoint_every = 500
+  c.keep_checkpoints = 3
+  return c
+
+
+def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Shrinks any config to a run of a few steps that finishes in seconds on a CPU."""
+  c.train_split = "train[:4000]"
+  c.eval_split = "validation[:256]"
+  c.vocab_size = min(c.vocab_size, 500)
+  c.max_len = min(c.max_len, 32)
+  c.batch_size = 16
+  c.eval_batch_size = 64
+  c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=2,
+                 num_decoder_layers=2)
+  c.num_steps, c.warmup_steps = 20, 5
+  c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
+  return c

@@ -1,0 +1,127 @@
+"""Tokenizers: a joint SentencePiece model, or d2l's word-level vocabularies.
+
+Both use the same special ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>. A pair of tokenizers
+(source, target) is saved into the workdir so that decoding uses the ones training used.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import re
+from pathlib import Path
+from typing import Iterable, NamedTuple, Protocol
+
+import sentencepiece as spm
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+RESERVED = ("<pad>", "<bos>", "<eos>", "<unk>")
+SPM_FILE = "tokenizer.model"
+WORD_FILE = "vocab.json"
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+
+  def encode(self, texts: list[str]) -> list[list[int]]: ...
+
+  def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class SentencePiece:
+  """A joint SentencePiece unigram model."""
+
+  def __init__(self, model_proto: bytes):
+    self.model_proto = model_proto
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    self.vocab_size = self._sp.get_piece_size()
+
+  @classmethod
+  def train(cls, sentences: Iterable[str], vocab_size: int, max_sentences: int = 400_000):
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+        model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
+        unk_id=UNK, input_sentence_size=max_sentences, shuffle_input_sentence=True,
+        num_threads=2, minloglevel=2)
+    return cls(model.getvalue())
+
+  def encode(self, texts):
+    return self._sp.encode(list(texts))
+
+  def decode(self, ids):
+    return self._sp.decode([int(i) for i in ids if i >= UNK])  # Drop pad, bos, eos.
+
+
+def d2l_preprocess(text: str) -> str:
+  """d2l's word-level normalization: lowercase, a space before , . ! ? when missing."""
+  text = text.replace("\u202f", " ").replace("\xa0", " ").lower()
+  return re.sub(r"(?<=\S)([,.!?])", r" \1", text)
+
+
+class WordVocab:
+  """d2l's Vocab: tokens seen at least `min_freq` times, most frequent first."""
+
+  def __init__(self, tokens: list[str]):
+    self.tokens = tokens
+    self._index = {t: i for i, t in enumerate(tokens)}
+    self.vocab_size = len(tokens)
+
+  @classmethod
+  def train(cls, sentences: Iterable[str], min_freq: int = 2):
+    counts = collections.Counter(
+        tok for s in sentences for tok in d2l_preprocess(s).split())
+    kept = sorted((t for t, c in counts.items() if c >= min_freq and t not in RESERVED),
+                  key=lambda t: (-counts[t], t))
+    return cls(list(RESERVED) + kept)
+
+  def encode(self, texts):
+    return [[self._index.get(t, UNK) for t in d2l_preprocess(s).split()] for s in texts]
+
+  def decode(self, ids):
+    return " ".join(self.tokens[i] for i in ids if i > EOS)
+
+
+class Tokenizers(NamedTuple):
+  src: Tokenizer
+  tgt: Tokenizer
+
+  def save(self, workdir: str | Path) -> None:
+    workdir = Path(workdir)
+    if isinstance(self.src, SentencePiece):
+      _atomic_write(workdir / SPM_FILE, self.src.model_proto)
+    else:
+      payload = json.dumps({"src": self.src.tokens, "tgt": self.tgt.tokens}).encode()
+      _atomic_write(workdir / WORD_FILE, payload)
+
+  @staticmethod
+  def load(workdir: str | Path) -> "Tokenizers | None":
+    """The tokenizers saved in `workdir`, or None if it holds none."""
+    workdir = Path(workdir)
+    try:
+      if (workdir / SPM_FILE).exists():
+        sp = SentencePiece((workdir / SPM_FILE).read_bytes())
+        return Tokenizers(sp, sp)
+      if (workdir / WORD_FILE).exists():
+        vocab = json.loads((workdir / WORD_FILE).read_text())
+        return Tokenizers(WordVocab(vocab["src"]), WordVocab(vocab["tgt"]))
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"corrupt tokenizer file in {workdir}: {e}") from None
+    return None
+
+
+def train_tokenizers(pairs: list[tuple[str, str]], kind: str, vocab_size: int) -> Tokenizers:
+  """Fits tokenizers on training pairs: one joint SentencePiece, or two d2l word vocabularies."""
+  if kind == "sentencepiece":
+    sp = SentencePiece.train((s for pair in pairs for s in pair), vocab_size)
+    return Tokenizers(sp, sp)
+  if kind == "word":
+    return Tokenizers(WordVocab.train(p[0] for p in pairs), WordVocab.train(p[1] for p in pairs))
+  raise ValueError(f"data.tokenizer must be 'sentencepiece' or 'word', got {kind!r}")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_bytes(data)
+  tmp.replace(path)

@@ -1,0 +1,279 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", as pure linen modules.
+
+The structure follows the d2l.ai chapter: token embeddings scaled by sqrt(d_model) plus fixed
+sinusoidal positions, encoder blocks (self-attention, Add&Norm, FFN, Add&Norm), decoder blocks
+(causal self-attention, Add&Norm, cross-attention, Add&Norm, FFN, Add&Norm) and a projection to
+the target vocabulary.
+
+Masks come from segment ids: 0 marks padding, and tokens attend only within their own segment.
+An unpacked batch has segment id 1 on every real token, which is d2l's valid-length mask; a
+packed batch has 1, 2, 3, ... for the sentences sharing a row.
+
+Einsum legend: B batch, T target length, S source length, N heads, H head dim, D model dim,
+F FFN dim, V vocabulary.
+
+Logical axis names (mapped to mesh axes only in sharding.py):
+  batch, length      activations' leading axes
+  act_embed          the model dimension of activations
+  embed              the model dimension of parameters
+  heads, kv          attention heads and head dim
+  mlp                FFN hidden dimension
+  vocab              vocabulary
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Frozen model hyperparameters; variants come from `dataclasses.replace`."""
+
+  src_vocab_size: int
+  tgt_vocab_size: int
+  d_model: int = 512
+  num_heads: int = 8
+  ffn_dim: int = 2048
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout_rate: float = 0.1
+  pre_ln: bool = False  # False: the paper's post-LN blocks.
+  attention_bias: bool = True
+  share_embeddings: bool = False  # One table for source and target (joint vocabulary).
+  tie_output: bool = False  # Output projection is the target embedding, transposed.
+  dtype: Dtype = "float32"  # Compute dtype; parameters stay float32.
+  attention_impl: Literal["xla", "cudnn"] | None = "xla"
+  attention_weights: bool = False  # Sow attention weights into "intermediates".
+
+  def __post_init__(self):
+    if self.d_model % self.num_heads:
+      raise ValueError(
+          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
+    if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+      raise ValueError("model.share_embeddings needs equal source and target vocabularies")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def _init(names, scale=1.0):
+  """Xavier-uniform kernel init that carries logical axis names."""
+  return nn.with_logical_partitioning(nn.initializers.variance_scaling(
+      scale, "fan_avg", "uniform"), names)
+
+
+def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
+  """Fixed encoding of d2l's PositionalEncoding: sin on even, cos on odd features.
+
+  Args:
+    positions: [B, L] integer positions (restarting at 0 in every packed segment).
+  Returns:
+    [B, L, D] float32.
+  """
+  inv_freq = 1.0 / np.power(10000.0, np.arange(0, d_model, 2, dtype=np.float32) / d_model)
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, D/2]
+  # Interleave: feature 2i is sin, feature 2i+1 is cos.
+  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(
+      *positions.shape, d_model)
+
+
+def attention_mask(q_segments, kv_segments, causal: bool = False) -> jax.Array:
+  """[B, 1, Lq, Lkv] boolean mask: same non-padding segment, and not the future if causal."""
+  mask = (q_segments[:, :, None] == kv_segments[:, None, :]) & (kv_segments[:, None, :] > 0)
+  if causal:
+    lq, lkv = q_segments.shape[1], kv_segments.shape[1]
+    mask &= jnp.tril(jnp.ones((lq, lkv), dtype=bool))
+  return mask[:, None]
+
+
+class MultiHeadAttention(nn.Module):
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_q, x_kv, mask):
+    """x_q: [B, T, D], x_kv: [B, S, D], mask: [B, 1, T, S] -> [B, T, D]."""
+    cfg = self.cfg
+    n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
+    dt = cfg.compute_dtype
+    # Explicit einsum projections: their kernels are created in their final 3-D shapes.
+    def proj(name, x, eq):
+      w = self.param(f"{name}_kernel", _init(("embed", "heads", "kv")), (cfg.d_model, n, h))
+      y = jnp.einsum(eq, x.astype(dt), w.astype(dt))
+      if cfg.attention_bias:
+        y = y + self.param(f"{name}_bias", nn.with_logical_partitioning(
+            nn.initializers.zeros, ("heads", "kv")), (n, h)).astype(dt)
+      return y
+    q = proj("query", x_q, "btd,dnh->btnh")  # [B, T, N, H]
+    k = proj("key", x_kv, "bsd,dnh->bsnh")  # [B, S, N, H]
+    v = proj("value", x_kv, "bsd,dnh->bsnh")  # [B, S, N, H]
+    q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+    if cfg.attention_weights:
+      logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+      logits = jnp.where(mask, logits / np.sqrt(h), jnp.finfo(jnp.float32).min)
+      weights = jax.nn.softmax(logits, axis=-1)  # [B, N, T, S]
+      self.sow("intermediates", "attention_weights", weights)
+      out = jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v)
+    else:
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.attention_impl)
+    w_out = self.param("out_kernel", _init(("heads", "kv", "embed")), (n, h, cfg.d_model))
+    y = jnp.einsum("btnh,nhd->btd", out, w_out.astype(dt))  # [B, T, N, H] -> [B, T, D]
+    if cfg.attention_bias:
+      y = y + self.param("out_bias", nn.with_logical_partitioning(
+          nn.initializers.zeros, ("embed",)), (cfg.d_model,)).astype(dt)
+    return y
+
+
+class FeedForward(nn.Module):
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    cfg = self.cfg
+    h = nn.Dense(cfg.ffn_dim, dtype=cfg.compute_dtype, kernel_init=_init(("embed", "mlp")),
+                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+                 name="wi")(x)  # [B, L, F]
+    h = nn.with_logical_constraint(nn.relu(h), ("batch", "length", "mlp"))
+    return nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, kernel_init=_init(("mlp", "embed")),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                    name="wo")(h)  # [B, L, D]
+
+
+class Sublayer(nn.Module):
+  """Add&Norm around one sublayer: post-LN `LN(x + drop(f(x)))` or pre-LN `x + drop(f(LN(x)))`."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, f, deterministic: bool):
+    cfg = self.cfg
+    norm = nn.LayerNorm(dtype=cfg.compute_dtype, name="norm",
+                        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+    drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
+    if cfg.pre_ln:
+      return x + drop(f(norm(x)))
+    return norm(x + drop(f(x)))
+
+
+class EncoderBlock(nn.Module):
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, mask, deterministic: bool):
+    cfg = self.cfg
+    attn = MultiHeadAttention(cfg, name="self_attention")
+    x = Sublayer(cfg, name="attention_sublayer")(x, lambda y: attn(y, y, mask), deterministic)
+    ffn = FeedForward(cfg, name="ffn")
+    x = Sublayer(cfg, name="ffn_sublayer")(x, lambda y: ffn(y, deterministic), deterministic)
+    return nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+
+
+class DecoderBlock(nn.Module):
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y, memory, self_mask, cross_mask, deterministic: bool):
+    cfg = self.cfg
+    self_attn = MultiHeadAttention(cfg, name="self_attention")
+    y = Sublayer(cfg, name="self_attention_sublayer")(
+        y, lambda z: self_attn(z, z, self_mask), deterministic)
+    cross_attn = MultiHeadAttention(cfg, name="cross_attention")
+    y = Sublayer(cfg, name="cross_attention_sublayer")(
+        y, lambda z: cross_attn(z, memory, cross_mask), deterministic)
+    ffn = FeedForward(cfg, name="ffn")
+    y = Sublayer(cfg, name="ffn_sublayer")(y, lambda z: ffn(z, deterministic), deterministic)
+    return nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
+
+
+def _embed(cfg: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
+  # N(0, 1/D) entries, scaled by sqrt(D) on input: unit-variance inputs and, when tied,
+  # unit-scale logits.
+  return nn.Embed(vocab_size, cfg.d_model, dtype=cfg.compute_dtype, name=name,
+                  embedding_init=nn.with_logical_partitioning(
+                      nn.initializers.normal(cfg.d_model ** -0.5), ("vocab", "embed")))
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder. Call with source tokens and shifted-right target tokens."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.src_embed = _embed(cfg, cfg.src_vocab_size, "src_embed")
+    self.tgt_embed = (self.src_embed if cfg.share_embeddings
+                      else _embed(cfg, cfg.tgt_vocab_size, "tgt_embed"))
+    self.encoder_blocks = [EncoderBlock(cfg, name=f"encoder_{i}")
+                           for i in range(cfg.num_encoder_layers)]
+    self.decoder_blocks = [DecoderBlock(cfg, name=f"decoder_{i}")
+                           for i in range(cfg.num_decoder_layers)]
+    norm = lambda name: nn.LayerNorm(
+        dtype=cfg.compute_dtype, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+    if cfg.pre_ln:  # Pre-LN stacks end with a norm; post-LN blocks already end normalized.
+      self.encoder_norm, self.decoder_norm = norm("encoder_norm"), norm("decoder_norm")
+    if not cfg.tie_output:
+      self.output_proj = nn.Dense(
+          cfg.tgt_vocab_size, dtype=cfg.compute_dtype, kernel_init=_init(("embed", "vocab")),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)))
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+
+  def _inputs(self, embed, tokens, positions, deterministic):
+    """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + sinusoid, then dropout."""
+    x = embed(tokens) * np.sqrt(self.cfg.d_model)
+    x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    return self.dropout(x, deterministic=deterministic)
+
+  def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
+    """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
+    src_segments, src_positions = _default_segments(src, src_segments, src_positions)
+    mask = attention_mask(src_segments, src_segments)  # [B, 1, S, S]
+    x = self._inputs(self.src_embed, src, src_positions, deterministic)
+    for block in self.encoder_blocks:
+      x = block(x, mask, deterministic)
+    return self.encoder_norm(x) if self.cfg.pre_ln else x
+
+  def decode(self, memory, tgt_in, src_segments, tgt_segments=None, tgt_positions=None,
+             deterministic=True):
+    """memory: [B, S, D], tgt_in: [B, T] -> logits [B, T, V] (float32)."""
+    tgt_segments, tgt_positions = _default_segments(tgt_in, tgt_segments, tgt_positions)
+    self_mask = attention_mask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
+    cross_mask = attention_mask(tgt_segments, src_segments)  # [B, 1, T, S]
+    y = self._inputs(self.tgt_embed, tgt_in, tgt_positions, deterministic)
+    for block in self.decoder_blocks:
+      y = block(y, memory, self_mask, cross_mask, deterministic)
+    if self.cfg.pre_ln:
+      y = self.decoder_norm(y)
+    logits = self.tgt_embed.attend(y) if self.cfg.tie_output else self.output_proj(y)
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    return logits.astype(jnp.float32)
+
+  def __call__(self, src, tgt_in, src_segments=None, tgt_segments=None, src_positions=None,
+               tgt_positions=None, deterministic=True):
+    """src: [B, S], tgt_in: [B, T] (targets shifted right, starting with <bos>) -> [B, T, V].
+
+    Segment ids default to `tokens != 0` and positions to 0..L-1: the unpacked, padded case.
+    """
+    src_segments, src_positions = _default_segments(src, src_segments, src_positions)
+    memory = self.encode(src, src_segments, src_positions, deterministic)
+    return self.decode(memory, tgt_in, src_segments, tgt_segments, tgt_positions, deterministic)
+
+
+def _default_segments(tokens, segments, positions):
+  if segments is None:
+    segments = (tokens != 0).astype(jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  return segments, positions

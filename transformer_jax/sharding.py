@@ -1,0 +1,93 @@
+"""Device mesh and logical-axis rules: the only module that knows about devices.
+
+The mesh has three axes: `data` (pure data parallelism), `fsdp` (data parallelism whose
+parameters and optimizer state are split along their `embed` dimension) and `tensor`
+(heads, FFN hidden units and the vocabulary split across devices).
+
+| logical name | mesh axis        |
+|--------------|------------------|
+| batch        | (data, fsdp)     |
+| embed        | fsdp             |
+| heads        | tensor           |
+| mlp          | tensor           |
+| vocab        | tensor           |
+| kv, length, act_embed | replicated |
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("act_embed", None),
+)
+
+
+def mesh_shape(shape: Sequence[int], num_devices: int | None = None) -> tuple[int, ...]:
+  """Resolves one -1 entry to use all devices; raises if the product does not match."""
+  n = jax.device_count() if num_devices is None else num_devices
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f"mesh_shape must have {len(MESH_AXES)} entries {MESH_AXES}, got {shape}")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh_shape may hold at most one -1, got {shape}")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if -1 in shape:
+    if n % known:
+      raise ValueError(f"mesh_shape {shape} does not divide the {n} devices")
+    shape = tuple(n // known if s == -1 else s for s in shape)
+  if int(np.prod(shape)) != n:
+    raise ValueError(f"mesh_shape {shape} needs {int(np.prod(shape))} devices, found {n}")
+  return shape
+
+
+def make_mesh(shape: Sequence[int]) -> Mesh:
+  return jax.make_mesh(mesh_shape(shape), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_RULES):
+  """NamedShardings for a tree of (abstract) values boxed with logical axis names."""
+  return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_tree), mesh, rules)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading axis split over every data-parallel device."""
+  return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles each host's slice of the batch into one global, batch-sharded array."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+def axis_rules():
+  """Context that makes `nn.with_logical_constraint` in the model use this module's rules."""
+  return nn.logical_axis_rules(LOGICAL_RULES)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh):
+  """Makes `mesh` and the logical rules current, for tracing jitted steps and init."""
+  with jax.set_mesh(mesh), axis_rules():
+    yield
