@@ -56,8 +56,10 @@ def mesh_shape(shape: Sequence[int], num_devices: int | None = None) -> tuple[in
   return shape
 
 
-def make_mesh(shape: Sequence[int]) -> Mesh:
-  return jax.make_mesh(mesh_shape(shape), MESH_AXES,
+def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all hosts)."""
+  devices = jax.devices() if devices is None else list(devices)
+  return jax.make_mesh(mesh_shape(shape, len(devices)), MESH_AXES, devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 

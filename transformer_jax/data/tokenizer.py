@@ -44,7 +44,7 @@ class SentencePiece:
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
         model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
         unk_id=UNK, input_sentence_size=max_sentences, shuffle_input_sentence=True,
-        num_threads=2, minloglevel=2)
+        num_threads=2, minloglevel=2, hard_vocab_limit=False)  # Small corpora: fewer pieces.
     return cls(model.getvalue())
 
   def encode(self, texts):

@@ -1,0 +1,45 @@
+"""Shared fixtures: the real corpus in ../shared/data, prepared once per session with tfds."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # train.py and configs/ live at the repository root.
+DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA", ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def tfds_dir(tmp_path_factory) -> str:
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="session")
+def fra_eng_builder(tfds_dir):
+  from transformer_jax.data import sources
+  return sources.prepare("fra_eng", tfds_dir, str(DATA / "fra-eng"))
+
+
+@pytest.fixture
+def smoke_config(tfds_dir):
+  """configs/fra_eng.py:smoke pointed at the shared data, without the TensorFlow-free writers."""
+  from configs import fra_eng
+  config = fra_eng.get_config("smoke")
+  config.data_dir = str(DATA / "fra-eng")
+  config.tfds_dir = tfds_dir
+  return config
+
+
+def tiny_model_config(**overrides):
+  """One tiny model for all model, sharding and step tests."""
+  from transformer_jax.model import TransformerConfig
+  kwargs = dict(src_vocab_size=128, tgt_vocab_size=128, d_model=32, num_heads=4, ffn_dim=64,
+                num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
+  kwargs.update(overrides)
+  return TransformerConfig(**kwargs)

@@ -1,0 +1,51 @@
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from transformer_jax import config as config_lib
+
+
+@pytest.mark.parametrize("name", ["fra_eng", "d2l_tiny", "multi30k", "wmt14_base", "wmt14_big"])
+@pytest.mark.parametrize("arg", [None, "smoke"])
+def test_every_config_validates(name, arg):
+  module = __import__(f"configs.{name}", fromlist=["get_config"])
+  config = module.get_config(arg)
+  config_lib.validate(config)
+  model = config_lib.model_config(config, 1000, 1000)
+  assert model.tgt_vocab_size == 1024  # Padded to a multiple of 128.
+
+
+def test_d2l_tiny_has_the_chapters_settings():
+  from configs import d2l_tiny
+  c = d2l_tiny.get_config()
+  assert (c.max_len, c.batch_size, c.learning_rate, c.grad_clip) == (9, 128, 1e-3, 1.0)
+  assert (c.model.num_encoder_layers, c.model.d_model, c.model.ffn_dim, c.model.num_heads,
+          c.model.dropout_rate) == (2, 256, 64, 4, 0.2)
+  assert c.num_steps * c.batch_size == 30 * 512 and c.train_split == "train[:512]"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dataset", "nope", "dataset='nope' is unknown"),
+    ("data_dir", "/does/not/exist", "data_dir='/does/not/exist' is not a directory"),
+    ("schedule", "linear", "schedule='linear' must be one of"),
+    ("mesh_shape", (1, 1), "mesh_shape=(1, 1) must have 3 entries"),
+])
+def test_bad_fields_are_named(field, value, message):
+  from configs import fra_eng
+  config = fra_eng.get_config()
+  config[field] = value
+  with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    config_lib.validate(config)
+
+
+def test_train_py_fails_in_one_line_before_compiling(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
+       "--workdir", str(tmp_path / "w"), "--config.model.d_model=30"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: model.d_model=30 is not divisible by model.num_heads=4")
+  assert not (tmp_path / "w").exists()  # Nothing half-written.

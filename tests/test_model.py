@@ -1,0 +1,111 @@
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import tiny_model_config
+from transformer_jax.model import Transformer, TransformerConfig, sinusoidal_positions
+
+
+def _params(cfg, src, tgt):
+  return nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), src, tgt)["params"])
+
+
+def test_base_size_shapes_without_allocating():
+  cfg = TransformerConfig(src_vocab_size=37_000, tgt_vocab_size=37_000, share_embeddings=True,
+                          tie_output=True)
+  src = jax.ShapeDtypeStruct((2, 50), jnp.int32)
+  tgt = jax.ShapeDtypeStruct((2, 40), jnp.int32)
+  variables = jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), src, tgt)
+  logits = jax.eval_shape(lambda v, s, t: Transformer(cfg).apply(v, s, t), variables, src, tgt)
+  assert logits.shape == (2, 40, 37_000) and logits.dtype == jnp.float32
+  params = nn.meta.unbox(variables["params"])
+  assert params["encoder_0"]["self_attention"]["query_kernel"].shape == (512, 8, 64)
+  assert params["decoder_5"]["ffn"]["wi"]["kernel"].shape == (512, 2048)
+  n = sum(np.prod(p.shape) for p in jax.tree.leaves(params))
+  # The paper's base model with a shared 37k vocabulary has about 63M parameters.
+  assert 60e6 < n < 66e6
+
+
+def test_every_parameter_has_logical_axis_names():
+  cfg = tiny_model_config(pre_ln=True)
+  x = jnp.ones((1, 5), jnp.int32)
+  boxed = Transformer(cfg).init(jax.random.PRNGKey(0), x, x)["params"]
+  leaves = jax.tree.leaves(boxed, is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned))
+  assert leaves and all(isinstance(v, nn.LogicallyPartitioned) for v in leaves)
+  assert all(len(v.names) == v.value.ndim for v in leaves)
+
+
+def test_sinusoidal_positions_match_d2l():
+  pe = np.asarray(sinusoidal_positions(jnp.arange(4)[None], 8))[0]
+  pos, i = np.arange(4)[:, None], np.arange(0, 8, 2)[None]
+  angle = pos / np.power(10000, i / 8)
+  np.testing.assert_allclose(pe[:, 0::2], np.sin(angle), atol=1e-6)
+  np.testing.assert_allclose(pe[:, 1::2], np.cos(angle), atol=1e-6)
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_padded_source_tokens_do_not_reach_outputs(pre_ln):
+  cfg = tiny_model_config(pre_ln=pre_ln)
+  src = jnp.array([[5, 6, 7, 2, 0, 0], [9, 2, 0, 0, 0, 0]])
+  tgt = jnp.array([[1, 8, 9, 0], [1, 4, 0, 0]])
+  model = Transformer(cfg)
+  params = _params(cfg, src, tgt)
+  base = model.apply({"params": params}, src, tgt)
+  # Same padding mask (segment ids from the original), other tokens under the padding.
+  segments = (src != 0).astype(jnp.int32)
+  changed = src.at[:, 4:].set(77)
+  out = model.apply({"params": params}, changed, tgt, src_segments=segments)
+  real = np.asarray(tgt != 0)  # Padded target rows are never scored.
+  np.testing.assert_array_equal(np.asarray(out)[real], np.asarray(base)[real])
+  # Control: changing a real token does move the outputs.
+  moved = model.apply({"params": params}, src.at[0, 1].set(77), tgt)
+  assert not np.allclose(moved[0], base[0])
+
+
+def test_future_target_tokens_do_not_reach_earlier_positions():
+  cfg = tiny_model_config()
+  src = jnp.array([[5, 6, 7, 2]])
+  tgt = jnp.array([[1, 8, 9, 10, 11]])
+  model = Transformer(cfg)
+  params = _params(cfg, src, tgt)
+  base = model.apply({"params": params}, src, tgt)
+  out = model.apply({"params": params}, src, tgt.at[0, 3].set(50))
+  np.testing.assert_array_equal(np.asarray(out[0, :3]), np.asarray(base[0, :3]))
+  assert not np.allclose(out[0, 3:], base[0, 3:])
+
+
+def test_attention_weights_path_matches_fused_path_and_is_masked():
+  cfg = tiny_model_config()
+  src = jnp.array([[5, 6, 7, 2, 0]])
+  tgt = jnp.array([[1, 8, 9]])
+  params = _params(cfg, src, tgt)
+  fused = Transformer(cfg).apply({"params": params}, src, tgt)
+  weighted, state = Transformer(dataclasses.replace(cfg, attention_weights=True)).apply(
+      {"params": params}, src, tgt, mutable=["intermediates"])
+  np.testing.assert_allclose(np.asarray(weighted), np.asarray(fused), atol=1e-5)
+  inter = state["intermediates"]
+  cross = inter["decoder_0"]["cross_attention"]["attention_weights"][0]  # [B, N, T, S]
+  assert cross.shape == (1, 4, 3, 5)
+  np.testing.assert_allclose(np.asarray(cross[..., 4]), 0.0, atol=1e-7)  # padding
+  dec_self = inter["decoder_1"]["self_attention"]["attention_weights"][0]
+  np.testing.assert_allclose(np.asarray(jnp.triu(dec_self[0, 0], 1)), 0.0, atol=1e-7)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_logits():
+  cfg = tiny_model_config(dtype="bfloat16")
+  x = jnp.array([[5, 6, 2]])
+  params = _params(cfg, x, x)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  out = Transformer(cfg).apply({"params": params}, x, x)
+  assert out.dtype == jnp.float32
+  ref = Transformer(dataclasses.replace(cfg, dtype="float32")).apply({"params": params}, x, x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=0.1)
+
+
+def test_bad_model_config_names_the_field():
+  with pytest.raises(ValueError, match="d_model=30 is not divisible by model.num_heads=4"):
+    tiny_model_config(d_model=30)
