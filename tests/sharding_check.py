@@ -1,0 +1,59 @@
+"""Run by test_sharding.py in a fresh process with 8 fake CPU devices.
+
+Trains the tiny model for a few steps on one device and on a given (data, fsdp, tensor) mesh
+over the same batches and prints the losses and how the parameters were split, as JSON.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from tests.conftest import tiny_model_config
+from transformer_jax import sharding, train_lib
+from transformer_jax.model import Transformer
+from configs import fra_eng
+
+
+def batches(n, rows=16, length=12, seed=0):
+  rng = np.random.default_rng(seed)
+  for _ in range(n):
+    lengths = rng.integers(3, length + 1, size=(rows, 2))
+    pos = np.arange(length)[None]
+    src_seg = (pos < lengths[:, :1]).astype(np.int32)
+    tgt_seg = (pos < lengths[:, 1:]).astype(np.int32)
+    tokens = lambda seg: (rng.integers(4, 128, size=(rows, length)) * seg).astype(np.int32)
+    targets = tokens(tgt_seg)
+    yield {"inputs": tokens(src_seg), "inputs_segment_ids": src_seg,
+           "inputs_positions": pos.repeat(rows, 0) * src_seg,
+           "decoder_inputs": np.concatenate([np.ones((rows, 1), np.int32), targets[:, :-1]], 1)
+           * tgt_seg, "targets": targets, "targets_segment_ids": tgt_seg,
+           "targets_positions": pos.repeat(rows, 0) * tgt_seg}
+
+
+def run(mesh_shape, devices):
+  config = fra_eng.get_config()
+  config.warmup_steps = 2
+  mesh = sharding.make_mesh(mesh_shape, devices)
+  model = Transformer(tiny_model_config(dropout_rate=0.1))
+  state, shardings = train_lib.create_train_state(model, train_lib.make_optimizer(config), 0,
+                                                  mesh, 12)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, 0.1)
+  losses = []
+  with sharding.mesh_context(mesh):
+    for batch in batches(4):
+      state, metrics = p_train(state, sharding.global_batch(batch, mesh))
+      losses.append(float(metrics["loss"]))
+  kernel = state.params["encoder_0"]["ffn"]["wi"]["kernel"]  # [embed, mlp]
+  return {"losses": losses, "wi_spec": [str(a) for a in kernel.sharding.spec],
+          "wi_shard": list(kernel.addressable_shards[0].data.shape),
+          "embed_shard": list(state.params["src_embed"]["embedding"]
+                              .addressable_shards[0].data.shape)}
+
+
+if __name__ == "__main__":
+  assert jax.device_count() == 8, jax.devices()
+  shape = tuple(int(s) for s in sys.argv[1].split(","))
+  print(json.dumps({"single": run((1, 1, 1), jax.devices()[:1]),
+                    "mesh": run(shape, jax.devices())}))

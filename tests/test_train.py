@@ -1,0 +1,73 @@
+import json
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+import train
+from tests.conftest import tiny_model_config
+from transformer_jax import train_lib
+
+
+def _run(config, workdir, num_steps):
+  config.num_steps = num_steps
+  return train.train_and_evaluate(config, str(workdir))
+
+
+def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config, tmp_path,
+                                                                   monkeypatch):
+  # The train step must be traced once per run, however many steps it takes.
+  monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(train_lib.train_step, n=1))
+  smoke_config.checkpoint_every = 7
+  straight = _run(smoke_config.copy_and_resolve_references(), tmp_path / "straight", 20)
+
+  chex.clear_trace_counter()
+  stopped = tmp_path / "stopped"
+  _run(smoke_config.copy_and_resolve_references(), stopped, 7)
+  assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == ["7"]
+  chex.clear_trace_counter()
+  resumed = _run(smoke_config.copy_and_resolve_references(), stopped, 20)
+
+  assert int(resumed.step) == int(straight.step) == 20
+  for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # Bitwise equal.
+  for a, b in zip(jax.tree.leaves(resumed.opt_state), jax.tree.leaves(straight.opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  # Logs: TensorBoard events, metrics.jsonl with train and eval scalars, config, tokenizer.
+  assert list(stopped.glob("events.out.tfevents.*"))
+  records = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+  train_steps = [r["step"] for r in records if "train/loss" in r]
+  assert train_steps == [5, 7, 10, 15, 20]  # 7: the end of the first run.
+  eval_records = [r for r in records if "eval/loss" in r]
+  assert [r["step"] for r in eval_records] == [7, 10, 20]
+  assert all(np.isfinite(r["eval/loss"]) and 0 <= r["eval/accuracy"] <= 1 for r in eval_records)
+  assert eval_records[-1]["eval/loss"] < eval_records[0]["eval/loss"]
+  assert (stopped / "config.json").exists() and (stopped / "tokenizer.model").exists()
+  assert sorted(int(p.name) for p in (stopped / "checkpoints").iterdir()) == [7, 14, 20]
+
+
+def test_cross_entropy_uses_integer_labels_and_ignores_padding():
+  logits = np.log(np.array([[[0.7, 0.1, 0.2], [0.2, 0.2, 0.6]]], np.float32))
+  targets = np.array([[0, 2]])
+  sums = train_lib.cross_entropy(logits, targets, np.array([[1, 0]]), label_smoothing=0.0)
+  np.testing.assert_allclose(sums["nll_sum"], -np.log(0.7), rtol=1e-6)
+  assert float(sums["tokens"]) == 1 and float(sums["correct"]) == 1
+  smoothed = train_lib.cross_entropy(logits, targets, np.array([[1, 0]]), label_smoothing=0.3)
+  expected = 0.7 * -np.log(0.7) + 0.3 * -np.mean(np.log([0.7, 0.1, 0.2]))
+  np.testing.assert_allclose(smoothed["loss_sum"], expected, rtol=1e-6)
+  ref = optax.softmax_cross_entropy(logits[0, :1], 0.7 * np.eye(3)[[0]] + 0.1)
+  np.testing.assert_allclose(smoothed["loss_sum"], ref[0], rtol=1e-6)
+
+
+def test_rsqrt_schedule_warms_up_then_decays():
+  from configs import fra_eng
+  c = fra_eng.get_config()
+  c.learning_rate, c.warmup_steps = 1e-3, 100
+  lr = train_lib.learning_rate_schedule(c)
+  assert float(lr(0)) == 0.0
+  np.testing.assert_allclose(float(lr(50)), 5e-4, rtol=1e-6)
+  np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(float(lr(400)), 1e-3 * np.sqrt(100 / 400), rtol=1e-6)
