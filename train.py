@@ -26,6 +26,9 @@ from transformer_jax.model import Transformer
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-host runs.")
+flags.DEFINE_integer("num_processes", 1, "Number of processes (one per host).")
+flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. num_processes - 1.")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train_lib.TrainState:
@@ -102,8 +105,9 @@ def main(argv):
     sys.exit("error: --config and --workdir are required")
   # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
   logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
-  if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # Multi-host: one process per host.
-    jax.distributed.initialize()
+  if flags.FLAGS.num_processes > 1:
+    jax.distributed.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                               flags.FLAGS.process_id)
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (config_lib.ConfigError, FileNotFoundError) as e:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 from absl import logging
 
@@ -23,18 +24,27 @@ def load_examples(config: ml_collections.ConfigDict, workdir: str | Path):
     (tokenizers, train examples, eval examples)
   """
   tfds_dir = config.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
-  builder = sources.prepare(config.dataset, tfds_dir, config.data_dir or None)
-  train_pairs = sources.pairs(builder, config.dataset, config.train_split)
-  eval_pairs = sources.pairs(builder, config.dataset, config.eval_split)
-  tokenizers = Tokenizers.load(workdir)
-  if tokenizers is None:
-    logging.info("Fitting a %s tokenizer on %d training pairs", config.tokenizer,
-                 len(train_pairs))
-    tokenizers = train_tokenizers(train_pairs, config.tokenizer, config.vocab_size)
-    if jax.process_index() == 0:
+
+  def load():
+    builder = sources.prepare(config.dataset, tfds_dir, config.data_dir or None)
+    return (sources.pairs(builder, config.dataset, config.train_split),
+            sources.pairs(builder, config.dataset, config.eval_split), Tokenizers.load(workdir))
+
+  # With several hosts, the first prepares the data and fits the tokenizer, the others then
+  # read both (the workdir and tfds_dir are on a shared filesystem).
+  if jax.process_index() == 0:
+    train_pairs, eval_pairs, tokenizers = load()
+    if tokenizers is None:
+      logging.info("Fitting a %s tokenizer on %d training pairs", config.tokenizer,
+                   len(train_pairs))
+      tokenizers = train_tokenizers(train_pairs, config.tokenizer, config.vocab_size)
       tokenizers.save(workdir)
-  else:
-    logging.info("Reusing the tokenizer saved in %s", workdir)
+    else:
+      logging.info("Reusing the tokenizer saved in %s", workdir)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("data prepared")
+    if jax.process_index() > 0:
+      train_pairs, eval_pairs, tokenizers = load()
   out = [tokenizers]
   for split, pairs in ((config.train_split, train_pairs), (config.eval_split, eval_pairs)):
     examples, stats = pipeline.tokenize(pairs, tokenizers, config.max_len, config.overlong)
