@@ -33,7 +33,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, config.num_steps)
   return optax.join_schedules(
       [optax.linear_schedule(0.0, peak, warmup),
-       lambda s: peak * jnp.sqrt(warmup / (s + warmup))],  # s counts from the end of warmup.
+       lambda s: peak * jnp.sqrt(warmup / jnp.maximum(s + warmup, 1.0))],  # s: steps after warmup.
       [warmup])
 
 
