@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import flax.linen as nn
 import grain
 import jax
 import orbax.checkpoint as ocp
+
+from transformer_jax import sharding
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -20,13 +23,13 @@ class Checkpointer:
   iterator position), so a resumed run sees the same batches and dropout masks.
   """
 
-  def __init__(self, directory: str | Path, save_every: int, keep: int):
+  def __init__(self, directory: str | Path, save_every: int, keep: int, read_only: bool = False):
     self.directory = Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=save_every, create=True,
-            enable_async_checkpointing=True))
+            max_to_keep=keep, save_interval_steps=save_every, create=not read_only,
+            read_only=read_only, enable_async_checkpointing=not read_only))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -43,16 +46,36 @@ class Checkpointer:
     Args:
       state_like: a state (or abstract state) with the structure, shapes and dtypes to restore.
     """
-    if step not in self.manager.all_steps():
-      raise CheckpointNotFoundError(
-          f"no checkpoint for step {step} in {self.directory} "
-          f"(found: {sorted(self.manager.all_steps()) or 'none'})")
+    self._check_step(step)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_like, state_shardings)
     items = {"state": ocp.args.StandardRestore(target)}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items)).state
+
+  def restore_params(self, step: int, boxed_params_like, mesh):
+    """Only the parameters of a checkpoint (no optimizer state), sharded over `mesh` by their
+    logical axis names.
+
+    Args:
+      boxed_params_like: abstract parameters still boxed with logical axis names.
+    """
+    self._check_step(step)
+    shardings = sharding.logical_shardings(boxed_params_like, mesh)
+    target = {"params": jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.meta.unbox(boxed_params_like), shardings)}
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
+    return restored.state["params"]
+
+  def _check_step(self, step: int) -> None:
+    if step not in self.manager.all_steps():
+      raise CheckpointNotFoundError(
+          f"no checkpoint for step {step} in {self.directory} "
+          f"(found: {sorted(self.manager.all_steps()) or 'none'})")
 
   def close(self) -> None:
     self.manager.wait_until_finished()

@@ -29,6 +29,7 @@ from typing import Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 Dtype = Literal["float32", "bfloat16"]
@@ -99,40 +100,52 @@ def attention_mask(q_segments, kv_segments, causal: bool = False) -> jax.Array:
 
 
 class MultiHeadAttention(nn.Module):
+  """Multi-head attention with einsum projections (kernels created in their 3-D shapes)."""
   cfg: TransformerConfig
 
-  @nn.compact
-  def __call__(self, x_q, x_kv, mask):
-    """x_q: [B, T, D], x_kv: [B, S, D], mask: [B, 1, T, S] -> [B, T, D]."""
+  def setup(self):
     cfg = self.cfg
-    n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
-    dt = cfg.compute_dtype
-    # Explicit einsum projections: their kernels are created in their final 3-D shapes.
-    def proj(name, x, eq):
-      w = self.param(f"{name}_kernel", _init(("embed", "heads", "kv")), (cfg.d_model, n, h))
-      y = jnp.einsum(eq, x.astype(dt), w.astype(dt))
+    n, h, d = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.d_model
+    for name in ("query", "key", "value"):
+      setattr(self, f"{name}_kernel",
+              self.param(f"{name}_kernel", _init(("embed", "heads", "kv")), (d, n, h)))
       if cfg.attention_bias:
-        y = y + self.param(f"{name}_bias", nn.with_logical_partitioning(
-            nn.initializers.zeros, ("heads", "kv")), (n, h)).astype(dt)
-      return y
-    q = proj("query", x_q, "btd,dnh->btnh")  # [B, T, N, H]
-    k = proj("key", x_kv, "bsd,dnh->bsnh")  # [B, S, N, H]
-    v = proj("value", x_kv, "bsd,dnh->bsnh")  # [B, S, N, H]
-    q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+        setattr(self, f"{name}_bias", self.param(f"{name}_bias", nn.with_logical_partitioning(
+            nn.initializers.zeros, ("heads", "kv")), (n, h)))
+    self.out_kernel = self.param("out_kernel", _init(("heads", "kv", "embed")), (n, h, d))
+    if cfg.attention_bias:
+      self.out_bias = self.param("out_bias", nn.with_logical_partitioning(
+          nn.initializers.zeros, ("embed",)), (d,))
+
+  def project(self, name: str, x):
+    """x: [B, L, D] -> [B, L, N, H] through the `name` (query, key or value) projection."""
+    dt = self.cfg.compute_dtype
+    y = jnp.einsum("bld,dnh->blnh", x.astype(dt), getattr(self, f"{name}_kernel").astype(dt))
+    if self.cfg.attention_bias:
+      y = y + getattr(self, f"{name}_bias").astype(dt)
+    return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+
+  def attend(self, q, k, v, mask):
+    """q: [B, T, N, H], k, v: [B, S, N, H], mask: [B or 1, 1, T, S] -> [B, T, D]."""
+    cfg = self.cfg
     if cfg.attention_weights:
       logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
-      logits = jnp.where(mask, logits / np.sqrt(h), jnp.finfo(jnp.float32).min)
+      logits = jnp.where(mask, logits / np.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
       weights = jax.nn.softmax(logits, axis=-1)  # [B, N, T, S]
       self.sow("intermediates", "attention_weights", weights)
       out = jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v)
     else:
       out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.attention_impl)
-    w_out = self.param("out_kernel", _init(("heads", "kv", "embed")), (n, h, cfg.d_model))
-    y = jnp.einsum("btnh,nhd->btd", out, w_out.astype(dt))  # [B, T, N, H] -> [B, T, D]
+    dt = cfg.compute_dtype
+    y = jnp.einsum("btnh,nhd->btd", out, self.out_kernel.astype(dt))  # [B, T, N, H] -> [B, T, D]
     if cfg.attention_bias:
-      y = y + self.param("out_bias", nn.with_logical_partitioning(
-          nn.initializers.zeros, ("embed",)), (cfg.d_model,)).astype(dt)
+      y = y + self.out_bias.astype(dt)
     return y
+
+  def __call__(self, x_q, x_kv, mask):
+    """x_q: [B, T, D], x_kv: [B, S, D], mask: [B, 1, T, S] -> [B, T, D]."""
+    return self.attend(self.project("query", x_q), self.project("key", x_kv),
+                       self.project("value", x_kv), mask)
 
 
 class FeedForward(nn.Module):
@@ -182,18 +195,54 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
   cfg: TransformerConfig
 
-  @nn.compact
-  def __call__(self, y, memory, self_mask, cross_mask, deterministic: bool):
+  def setup(self):
     cfg = self.cfg
-    self_attn = MultiHeadAttention(cfg, name="self_attention")
-    y = Sublayer(cfg, name="self_attention_sublayer")(
-        y, lambda z: self_attn(z, z, self_mask), deterministic)
-    cross_attn = MultiHeadAttention(cfg, name="cross_attention")
-    y = Sublayer(cfg, name="cross_attention_sublayer")(
-        y, lambda z: cross_attn(z, memory, cross_mask), deterministic)
-    ffn = FeedForward(cfg, name="ffn")
-    y = Sublayer(cfg, name="ffn_sublayer")(y, lambda z: ffn(z, deterministic), deterministic)
+    self.self_attention = MultiHeadAttention(cfg)
+    self.self_attention_sublayer = Sublayer(cfg)
+    self.cross_attention = MultiHeadAttention(cfg)
+    self.cross_attention_sublayer = Sublayer(cfg)
+    self.ffn = FeedForward(cfg)
+    self.ffn_sublayer = Sublayer(cfg)
+
+  def _cross_and_ffn(self, y, cross_attend, deterministic):
+    y = self.cross_attention_sublayer(y, cross_attend, deterministic)
+    y = self.ffn_sublayer(y, lambda z: self.ffn(z, deterministic), deterministic)
     return nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
+
+  def __call__(self, y, memory, self_mask, cross_mask, deterministic: bool):
+    """Teacher-forced: y [B, T, D], memory [B, S, D] -> [B, T, D]."""
+    y = self.self_attention_sublayer(
+        y, lambda z: self.self_attention(z, z, self_mask), deterministic)
+    return self._cross_and_ffn(
+        y, lambda z: self.cross_attention(z, memory, cross_mask), deterministic)
+
+  def cross_kv(self, memory):
+    """memory [B, S, D] -> cross-attention keys and values [B, S, N, H], once per source."""
+    return (self.cross_attention.project("key", memory),
+            self.cross_attention.project("value", memory))
+
+  def step(self, y, cache, index, cross_mask):
+    """One decoding position: y [B, 1, D] -> ([B, 1, D], cache with this position's k, v).
+
+    cache: {"k", "v": [B, L, N, H] self-attention keys/values of the positions so far,
+            "cross_k", "cross_v": [B, S, N, H]}.
+    """
+    new = dict(cache)
+
+    def self_attend(z):  # z: [B, 1, D]
+      for name in ("k", "v"):  # Write this position into the preallocated cache.
+        kv = self.self_attention.project("key" if name == "k" else "value", z)  # [B, 1, N, H]
+        new[name] = lax.dynamic_update_slice(cache[name], kv.astype(cache[name].dtype),
+                                             (0, index, 0, 0))
+      filled = (jnp.arange(cache["k"].shape[1]) <= index)[None, None, None, :]  # [1, 1, 1, L]
+      return self.self_attention.attend(self.self_attention.project("query", z),
+                                        new["k"], new["v"], filled)
+
+    y = self.self_attention_sublayer(y, self_attend, True)
+    y = self._cross_and_ffn(y, lambda z: self.cross_attention.attend(
+        self.cross_attention.project("query", z), cache["cross_k"], cache["cross_v"],
+        cross_mask), True)
+    return y, new
 
 
 def _embed(cfg: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
@@ -259,6 +308,36 @@ class Transformer(nn.Module):
     logits = self.tgt_embed.attend(y) if self.cfg.tie_output else self.output_proj(y)
     logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
     return logits.astype(jnp.float32)
+
+  def init_cache(self, memory, src_segments, max_len: int):
+    """Decoding state for `max_len` steps: preallocated self-attention caches, the
+    cross-attention keys and values (computed here, once), the source mask and the index.
+
+    memory: [B, S, D], src_segments: [B, S] (0 = padding).
+    """
+    cfg = self.cfg
+    b, n, h = memory.shape[0], cfg.num_heads, cfg.d_model // cfg.num_heads
+    layers = []
+    for block in self.decoder_blocks:
+      cross_k, cross_v = block.cross_kv(memory)
+      zeros = jnp.zeros((b, max_len, n, h), cfg.compute_dtype)
+      layers.append({"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v})
+    return {"index": jnp.zeros((), jnp.int32), "src_valid": src_segments > 0, "layers": layers}
+
+  def decode_step(self, tokens, cache):
+    """tokens: [B, 1], the previous output (or <bos>) -> (logits [B, V] float32, cache)."""
+    index = cache["index"]
+    positions = jnp.broadcast_to(index, tokens.shape)
+    y = self._inputs(self.tgt_embed, tokens, positions, True)
+    cross_mask = cache["src_valid"][:, None, None, :]  # [B, 1, 1, S]
+    layers = []
+    for block, layer in zip(self.decoder_blocks, cache["layers"]):
+      y, layer = block.step(y, layer, index, cross_mask)
+      layers.append(layer)
+    if self.cfg.pre_ln:
+      y = self.decoder_norm(y)
+    logits = self.tgt_embed.attend(y) if self.cfg.tie_output else self.output_proj(y)
+    return logits[:, 0].astype(jnp.float32), {**cache, "index": index + 1, "layers": layers}
 
   def __call__(self, src, tgt_in, src_segments=None, tgt_segments=None, src_positions=None,
                tgt_positions=None, deterministic=True):

@@ -1,0 +1,139 @@
+import itertools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import tiny_model_config
+from transformer_jax import decode, inference
+from transformer_jax.data.tokenizer import BOS, EOS, PAD
+from transformer_jax.model import Transformer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = tiny_model_config()
+  model = Transformer(cfg)
+  x = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), x, x)["params"])
+  return model, params
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_cached_steps_equal_the_teacher_forced_forward_pass(pre_ln):
+  model = Transformer(tiny_model_config(pre_ln=pre_ln))
+  src = jnp.array([[5, 6, 7, 8, 9, 2], [11, 12, 2, 0, 0, 0]])  # Two source lengths.
+  tgt = jnp.array([[BOS, 20, 21, 22, 23], [BOS, 30, 31, 32, 33]])
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), src, tgt)["params"])
+  full = model.apply({"params": params}, src, tgt)  # [B, T, V]
+  cache = inference.encode_and_cache(model, params, src, max_len=8)
+  step = inference.tokens_to_logits_fn(model, params)
+  for t in range(tgt.shape[1]):
+    logits, cache = step(tgt[:, t:t + 1], cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
+  assert int(cache["index"]) == tgt.shape[1]
+
+
+def test_a_source_alone_and_inside_a_padded_batch_decode_the_same(tiny):
+  model, params = tiny
+  alone = jnp.array([[11, 12, 13, 2]])
+  batch = jnp.array([[11, 12, 13, 2, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10, 11, 2]])
+  for beam in (1, 3):
+    a = inference.generate(model, params, alone, 6, beam_size=beam)
+    b = inference.generate(model, params, batch, 6, beam_size=beam)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+def _fake_model(table):
+  """tokens_to_logits from a fixed table of log-probs indexed by the previous token; the cache
+  counts steps so that the table can also depend on position."""
+  table = jnp.asarray(table, jnp.float32)  # [L, V, V]: step, previous token -> logits
+
+  def tokens_to_logits(tokens, cache):
+    return table[cache["t"], tokens[:, 0]], {"t": cache["t"] + 1, "rows": cache["rows"]}
+  return tokens_to_logits
+
+
+def _random_table(seed, length=4, vocab=5):
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(size=(length, vocab, vocab)) * 2
+  logits[:, :, PAD] = -1e9  # Never emit padding or <bos> ...
+  logits[:, :, BOS] = -1e9
+  return np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True))
+
+
+def _exhaustive_best(table, alpha):
+  """Best score over every sequence that ends in <eos> within the table's length."""
+  length, vocab = table.shape[:2]
+  best, best_seq = -np.inf, None
+  for n in range(1, length + 1):
+    for body in itertools.product(range(3, vocab), repeat=n - 1):
+      seq, prev, logp = list(body) + [EOS], BOS, 0.0
+      for t, tok in enumerate(seq):
+        logp += table[t, prev, tok]
+        prev = tok
+      score = logp / decode.length_penalty(n, alpha)
+      if score > best:
+        best, best_seq = score, seq
+  return best, best_seq
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_large_beam_finds_the_exhaustive_optimum(seed):
+  table = _random_table(seed)
+  table[-1, :, 3:] = -1e9  # The last step must emit <eos>: every hypothesis ends.
+  table = table - np.log(np.exp(table).sum(-1, keepdims=True))
+  best, best_seq = _exhaustive_best(table, alpha=0.6)
+  cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
+  tokens, scores = decode.beam_search(_fake_model(table), cache, 1, 4, beam_size=16, alpha=0.6)
+  assert decode.strip(tokens[0, 0]) + [EOS] == best_seq
+  np.testing.assert_allclose(float(scores[0, 0]), best, rtol=1e-5)
+
+
+def test_beam_one_temperature_zero_and_top_k_one_equal_greedy():
+  table = _random_table(7, length=6)
+  cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((3,))}
+  fake = _fake_model(table)
+  greedy = decode.sample(fake, cache, 3, 6)
+  beam1, _ = decode.beam_search(fake, cache, 3, 6, beam_size=1, alpha=0.0)
+  np.testing.assert_array_equal(np.asarray(beam1[:, 0]), np.asarray(greedy))
+  cold = decode.sample(fake, cache, 3, 6, decode.Sampling(temperature=1e-4), jax.random.PRNGKey(3))
+  np.testing.assert_array_equal(np.asarray(cold), np.asarray(greedy))
+  top1 = decode.sample(fake, cache, 3, 6, decode.Sampling(top_k=1), jax.random.PRNGKey(4))
+  np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
+  nucleus = decode.sample(fake, cache, 3, 6, decode.Sampling(top_p=1e-6), jax.random.PRNGKey(5))
+  np.testing.assert_array_equal(np.asarray(nucleus), np.asarray(greedy))
+
+
+def test_rows_emit_padding_after_eos():
+  table = np.full((5, 5, 5), -1e9)
+  table[0, BOS, 4] = 0.0  # bos -> 4 -> eos, then the table would say 4 again.
+  table[1, 4, EOS] = 0.0
+  table[2:, :, 4] = 0.0
+  cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
+  out = decode.sample(_fake_model(table), cache, 1, 5)
+  assert out.tolist() == [[4, EOS, PAD, PAD, PAD]]
+
+
+def test_decoding_compiles_once_per_batch_and_length(tiny):
+  model, params = tiny
+  traced = chex.assert_max_traces(decode.sample, n=2)
+  chex.clear_trace_counter()
+  fn = jax.jit(lambda p, s: traced(inference.tokens_to_logits_fn(model, p),
+                                   inference.encode_and_cache(model, p, s, 7), s.shape[0], 7))
+  src = jnp.array([[5, 6, 2, 0]])
+  for _ in range(3):  # Same shapes: one trace, whatever the number of decoded tokens.
+    fn(params, src)
+  fn(params, jnp.array([[5, 6, 2, 0], [7, 2, 0, 0]]))  # A new batch size: a second trace.
+  with pytest.raises(AssertionError):
+    fn(params, jnp.array([[5, 6, 2, 0]] * 3))  # A third shape would be a third trace.
+
+
+def test_sampling_rejects_bad_parameters():
+  with pytest.raises(ValueError, match="temperature"):
+    decode.Sampling(temperature=0.0)
+  with pytest.raises(ValueError, match="top_p"):
+    decode.Sampling(top_p=0.0)

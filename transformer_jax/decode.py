@@ -1,0 +1,176 @@
+"""Model-agnostic autoregressive decoding: greedy, sampling and beam search.
+
+Everything here takes a `tokens_to_logits(tokens [B, 1], cache) -> (logits [B, V], cache)`
+callable and runs inside one `lax.scan` (greedy, sampling) or `lax.while_loop` (beam search), so
+a jitted decoder compiles once per (batch size, max length). The cache is any pytree whose
+arrays lead with the batch axis; 0-d leaves (a step counter) are shared by all rows.
+
+Shapes: B batch, K beams, L max decode length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from transformer_jax.data.tokenizer import BOS, EOS, PAD
+
+TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+NEG_INF = -1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+  """Always the most likely token."""
+
+  def __call__(self, logits: jax.Array, rng: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Sampling at `temperature`, from the `top_k` most likely tokens (0: all) whose cumulative
+  probability reaches `top_p` (1.0: all)."""
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if self.temperature <= 0:
+      raise ValueError(f"temperature must be positive, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+  def __call__(self, logits: jax.Array, rng: jax.Array) -> jax.Array:
+    logits = logits.astype(jnp.float32) / self.temperature  # [B, V]
+    if self.top_k:
+      kth = lax.top_k(logits, self.top_k)[0][:, -1:]  # [B, 1]
+      logits = jnp.where(logits < kth, NEG_INF, logits)
+    if self.top_p < 1.0:
+      sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V], descending
+      probs = jax.nn.softmax(sorted_logits, axis=-1)
+      # Keep a token if the tokens more likely than it hold less than top_p.
+      keep = jnp.cumsum(probs, axis=-1) - probs < self.top_p
+      threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+      logits = jnp.where(logits < threshold, NEG_INF, logits)
+    return jax.random.categorical(rng, logits, axis=-1)
+
+
+def sample(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
+           sampler=Greedy(), rng: jax.Array | None = None) -> jax.Array:
+  """Generates [B, max_len] tokens; after <eos> a row emits <pad>."""
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+
+  def step(carry, t):
+    cache, last, done = carry
+    logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
+    token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
+    token = jnp.where(done, PAD, token)
+    return (cache, token, done | (token == EOS)), token
+
+  init = (cache, jnp.full((batch_size,), BOS, jnp.int32), jnp.zeros((batch_size,), bool))
+  _, tokens = lax.scan(step, init, jnp.arange(max_len))  # [L, B]
+  return tokens.T
+
+
+def length_penalty(length, alpha: float):
+  """GNMT's ((5 + length) / 6) ** alpha."""
+  return ((5.0 + length) / 6.0) ** alpha
+
+
+def _gather_beams(tree, beam_idx, batch_size: int, beams: int):
+  """Reorders every [B * K, ...] leaf (or [B, K, ...] with `beams` rows) by beam_idx [B, K']."""
+  def gather(x):
+    if x.ndim == 0:
+      return x
+    x = x.reshape(batch_size, -1, *x.shape[1:])  # [B, K, ...]
+    out = jnp.take_along_axis(x, beam_idx.reshape(*beam_idx.shape, *[1] * (x.ndim - 2)), axis=1)
+    return out.reshape(-1, *x.shape[2:])  # [B * K', ...]
+  return jax.tree.map(gather, tree)
+
+
+def tile_beams(tree, beams: int):
+  """[B, ...] -> [B * K, ...], each row repeated K times (0-d leaves untouched)."""
+  return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, beams, axis=0), tree)
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
+                beam_size: int = 4, alpha: float = 0.6) -> tuple[jax.Array, jax.Array]:
+  """Beam search with GNMT's length penalty; `cache` is per sentence ([B, ...] leaves).
+
+  Stops early once no live beam can beat the finished ones.
+  Returns:
+    tokens [B, K, max_len] best first (<eos> then <pad> after the end), scores [B, K].
+  """
+  b, k = batch_size, beam_size
+  cache = tile_beams(cache, k)
+  max_penalty = length_penalty(max_len, alpha)
+
+  def cond(state):
+    i, _, live_logp, _, fin_scores, fin_flags, _ = state
+    # The best a live beam can still reach: its log-prob now, at the largest length penalty
+    # (log-probs only fall, and the penalty grows with length for alpha >= 0).
+    best_live = live_logp[:, 0] / max_penalty
+    worst_fin = jnp.where(fin_flags.all(-1), fin_scores.min(-1), NEG_INF)
+    return (i < max_len) & ~jnp.all(worst_fin >= best_live)
+
+  def body(state):
+    i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
+    last = live_seqs[:, :, i].reshape(b * k, 1)  # [B*K, 1]
+    logits, cache = tokens_to_logits(last, cache)  # [B*K, V]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, -1)  # [B, K, V]
+    vocab = logp.shape[-1]
+    cand = (live_logp[:, :, None] + logp).reshape(b, k * vocab)  # [B, K*V]
+    top_logp, top_idx = lax.top_k(cand, 2 * k)  # [B, 2K]: enough to keep K that go on.
+    beam, token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
+    seqs = jnp.take_along_axis(live_seqs, beam[:, :, None], axis=1)  # [B, 2K, L+1]
+    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))
+    is_eos = token == EOS
+
+    # Live: the K best candidates that did not just end.
+    alive_logp = jnp.where(is_eos, NEG_INF, top_logp)
+    alive_logp, keep = lax.top_k(alive_logp, k)  # [B, K]
+    live_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
+    cache = _gather_beams(cache, jnp.take_along_axis(beam, keep, axis=1), b, k)
+
+    # Finished: the K best of the old finished and the candidates that just ended.
+    new_scores = jnp.where(is_eos, top_logp / length_penalty(i + 1, alpha), NEG_INF)
+    all_scores = jnp.concatenate([fin_scores, new_scores], axis=1)  # [B, 3K]
+    all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
+    all_flags = jnp.concatenate([fin_flags, is_eos], axis=1)
+    fin_scores, pick = lax.top_k(all_scores, k)
+    fin_seqs = jnp.take_along_axis(all_seqs, pick[:, :, None], axis=1)
+    fin_flags = jnp.take_along_axis(all_flags, pick, axis=1)
+    return i + 1, live_seqs, alive_logp, fin_seqs, fin_scores, fin_flags, cache
+
+  seqs = jnp.zeros((b, k, max_len + 1), jnp.int32).at[:, :, 0].set(BOS)
+  live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
+  state = (jnp.array(0), seqs, live_logp, seqs, jnp.full((b, k), NEG_INF), jnp.zeros((b, k), bool),
+           cache)
+  _, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, _ = lax.while_loop(cond, body, state)
+  # A sentence with no finished beam (all hit max_len) returns its live beams.
+  any_fin = fin_flags.any(-1)
+  tokens = jnp.where(any_fin[:, None, None], fin_seqs, live_seqs)[:, :, 1:]
+  scores = jnp.where(any_fin[:, None], fin_scores, live_logp / max_penalty)
+  return _pad_after_eos(tokens), scores
+
+
+def _pad_after_eos(tokens: jax.Array) -> jax.Array:
+  """Everything after the first <eos> becomes <pad>."""
+  after = jnp.cumsum(tokens == EOS, axis=-1) - (tokens == EOS) > 0
+  return jnp.where(after, PAD, tokens)
+
+
+def strip(tokens: np.ndarray) -> list[int]:
+  """A row of output tokens up to (not including) <eos>."""
+  out = []
+  for t in np.asarray(tokens).tolist():
+    if t in (EOS, PAD):
+      break
+    out.append(t)
+  return out

@@ -1,0 +1,122 @@
+"""A trained model restored from a workdir, with jitted encode + decode functions.
+
+Only the parameters are read from the checkpoint (not the optimizer state), onto whatever
+devices this machine has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from transformer_jax import checkpoint, config as config_lib, decode, sharding
+from transformer_jax.data.tokenizer import EOS, Tokenizers
+from transformer_jax.model import Transformer, TransformerConfig
+
+
+class InferenceError(ValueError):
+  """The workdir, checkpoint or input cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+  beam_size: int = 1  # 1: greedy (or sampling, with a sampler).
+  alpha: float = 0.6  # GNMT length penalty, beam search only.
+  max_len_margin: int = 10  # Decode up to source length + margin tokens ...
+  max_len: int = 0  # ... or exactly this many, when positive.
+
+
+def encode_and_cache(model: Transformer, params, src, max_len: int):
+  """src [B, S] -> decoding cache (encoder run once, cross-attention keys/values computed)."""
+  segments = (src != 0).astype(jnp.int32)
+  memory = model.apply({"params": params}, src, segments, method=Transformer.encode)
+  return model.apply({"params": params}, memory, segments, max_len, method=Transformer.init_cache)
+
+
+def tokens_to_logits_fn(model: Transformer, params):
+  return lambda tokens, cache: model.apply({"params": params}, tokens, cache,
+                                           method=Transformer.decode_step)
+
+
+def generate(model: Transformer, params, src, max_len: int, beam_size: int = 1,
+             alpha: float = 0.6, sampler=decode.Greedy(), rng=None):
+  """src [B, S] -> tokens [B, max_len] (best beam), jit-able with static max_len/beam_size."""
+  cache = encode_and_cache(model, params, src, max_len)
+  step = tokens_to_logits_fn(model, params)
+  if beam_size > 1:
+    tokens, _ = decode.beam_search(step, cache, src.shape[0], max_len, beam_size, alpha)
+    return tokens[:, 0]
+  return decode.sample(step, cache, src.shape[0], max_len, sampler, rng)
+
+
+class Translator:
+  """Restores a workdir's model and tokenizer and translates batches of sentences."""
+
+  def __init__(self, workdir: str | Path, step: int | None = None):
+    workdir = Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.exists():
+      raise InferenceError(f"{workdir} holds no config.json: not a training workdir")
+    self.config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    tokenizers = Tokenizers.load(workdir)
+    if tokenizers is None:
+      raise InferenceError(f"{workdir} holds no tokenizer (tokenizer.model or vocab.json)")
+    self.tokenizers = tokenizers
+    self.model_config = config_lib.model_config(
+        self.config, tokenizers.src.vocab_size, tokenizers.tgt.vocab_size)
+    self.model = Transformer(self.model_config)
+    ckpt_dir = workdir / "checkpoints"
+    if not ckpt_dir.is_dir():
+      raise InferenceError(f"{workdir} holds no checkpoints/ directory")
+    ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, keep=1, read_only=True)
+    self.step = ckpt.latest_step() if step is None else step
+    if self.step is None:
+      raise InferenceError(f"no checkpoint in {ckpt_dir}")
+    mesh = sharding.make_mesh((-1, 1, 1))
+    self.params = ckpt.restore_params(self.step, self._abstract_params(), mesh)
+    self.max_src_len = int(self.config.max_len)
+    logging.info("Restored step %d from %s", self.step, ckpt_dir)
+
+  def _abstract_params(self):
+    dummy = jnp.ones((1, 2), jnp.int32)
+    boxed = jax.eval_shape(self.model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
+    return boxed  # Still boxed: the checkpointer turns the names into shardings.
+
+  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+  def _generate(self, params, src, max_len, beam_size, alpha):
+    return generate(self.model, params, src, max_len, beam_size, alpha)
+
+  def encode_sources(self, sentences: list[str]) -> tuple[np.ndarray, int]:
+    """Token ids padded to the longest sentence (rounded up to 8): [B, S]; and truncations."""
+    ids, truncated = [], 0
+    for i, row in enumerate(self.tokenizers.src.encode(sentences)):
+      if not sentences[i].strip() or not row:
+        raise InferenceError(f"sentence {i + 1} is empty")
+      row = list(row) + [EOS]
+      if len(row) > self.max_src_len:
+        truncated += 1
+        logging.warning("sentence %d has %d tokens; truncated to the model's %d", i + 1,
+                        len(row), self.max_src_len)
+        row = row[:self.max_src_len - 1] + [EOS]
+      ids.append(row)
+    width = -(-max(len(r) for r in ids) // 8) * 8  # Few distinct shapes: few compilations.
+    return np.array([r + [0] * (width - len(r)) for r in ids], np.int32), truncated
+
+  def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions()) -> list[str]:
+    src, _ = self.encode_sources(sentences)
+    max_len = options.max_len or src.shape[1] + options.max_len_margin
+    tokens = np.asarray(self._generate(self.params, src, max_len, options.beam_size,
+                                       options.alpha))
+    return [self.tokenizers.tgt.decode(decode.strip(row)) for row in tokens]
+
+  def __hash__(self):  # jit's static self.
+    return id(self)
