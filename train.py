@@ -20,7 +20,8 @@ from absl import app, flags, logging
 from clu import periodic_actions
 from ml_collections import config_flags
 
-from transformer_jax import checkpoint, config as config_lib, data, sharding, train_lib, writers
+from transformer_jax import (checkpoint, config as config_lib, data, inference, sharding,
+                             train_lib, writers)
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
 
@@ -40,7 +41,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   primary = jax.process_index() == 0
 
-  tokenizers, train_examples, eval_examples = data.load_examples(config, workdir)
+  tokenizers, train_examples, eval_examples, eval_pairs = data.load_examples(config, workdir)
   model = Transformer(config_lib.model_config(config, tokenizers.src.vocab_size,
                                               tokenizers.tgt.vocab_size))
   state, state_shardings = train_lib.create_train_state(
@@ -70,6 +71,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
   schedule = train_lib.learning_rate_schedule(config)
   p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing)
+  bleu_eval = config.num_bleu_sentences and inference.BleuEval(
+      model, tokenizers, eval_pairs[::max(1, len(eval_pairs) // config.num_bleu_sentences)]
+      [:config.num_bleu_sentences], config.max_len,
+      config.eval_batch_size)
 
   with sharding.mesh_context(mesh):
     history, tick = [], time.perf_counter()
@@ -90,6 +95,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
         with report.timed("eval"):
           result = train_lib.summarize_eval(
               [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
+        if bleu_eval:
+          with report.timed("bleu"):
+            result["bleu"], examples = bleu_eval(state.params)
+          writer.write_texts(step, {"eval/examples": "\n".join(examples)})
         writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
       if step % config.checkpoint_every == 0 or step == config.num_steps:
         ckpt.save(step, state, train_iter, force=True)

@@ -83,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.batch_size = 64  # Rows per global batch (each up to max_len tokens a side).
   c.eval_batch_size = 128
   c.num_eval_batches = -1  # -1: the whole eval split.
+  c.num_bleu_sentences = 256  # Greedy-decoded and scored at every evaluation (0: none).
   c.seed = 0
 
   c.model = ml_collections.ConfigDict(dict(
@@ -115,6 +116,7 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.max_len = min(c.max_len, 32)
   c.batch_size = 16
   c.eval_batch_size = 64
+  c.num_bleu_sentences = 64
   c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=2,
                  num_decoder_layers=2)
   c.num_steps, c.warmup_steps = 20, 5

@@ -20,6 +20,7 @@ from absl import logging
 
 from transformer_jax import checkpoint, config as config_lib, decode, sharding
 from transformer_jax.data.tokenizer import EOS, Tokenizers
+from transformer_jax.metrics import corpus_bleu
 from transformer_jax.model import Transformer, TransformerConfig
 
 
@@ -56,6 +57,47 @@ def generate(model: Transformer, params, src, max_len: int, beam_size: int = 1,
     tokens, _ = decode.beam_search(step, cache, src.shape[0], max_len, beam_size, alpha)
     return tokens[:, 0]
   return decode.sample(step, cache, src.shape[0], max_len, sampler, rng)
+
+
+def encode_sources(tokenizer, sentences: list[str], max_src_len: int,
+                   width: int | None = None) -> np.ndarray:
+  """Source token ids with <eos>, [B, width]; width defaults to the longest row rounded up to 8
+  (few distinct shapes, few compilations). Overlong sentences are truncated with a warning;
+  an empty one is an error."""
+  ids = []
+  for i, row in enumerate(tokenizer.encode(sentences)):
+    if not sentences[i].strip() or not row:
+      raise InferenceError(f"sentence {i + 1} is empty")
+    row = list(row) + [EOS]
+    if len(row) > max_src_len:
+      logging.warning("sentence %d has %d tokens; truncated to the model's %d", i + 1, len(row),
+                      max_src_len)
+      row = row[:max_src_len - 1] + [EOS]
+    ids.append(row)
+  width = width or -(-max(len(r) for r in ids) // 8) * 8
+  return np.array([r + [0] * (width - len(r)) for r in ids], np.int32)
+
+
+class BleuEval:
+  """Greedy-decodes a fixed sample of sentence pairs and scores it with sacreBLEU; used by the
+  training loop at every evaluation."""
+
+  def __init__(self, model: Transformer, tokenizers: Tokenizers, pairs: list[tuple[str, str]],
+               max_len: int, batch_size: int):
+    self.tokenizers, self.pairs = tokenizers, pairs
+    sources = [p[0] for p in pairs]
+    src = encode_sources(tokenizers.src, sources, max_len, width=max_len)
+    rows = -(-len(src) // batch_size) * batch_size
+    src = np.concatenate([src, np.repeat(src[:1], rows - len(src), axis=0)])  # Full batches.
+    self.batches = src.reshape(-1, batch_size, max_len)
+    self._generate = jax.jit(functools.partial(generate, model, max_len=max_len))
+
+  def __call__(self, params) -> tuple[float, list[str]]:
+    """-> (BLEU, a few 'source => output [reference]' lines)."""
+    tokens = np.concatenate([np.asarray(self._generate(params, b)) for b in self.batches])
+    hyps = [self.tokenizers.tgt.decode(decode.strip(t)) for t in tokens[:len(self.pairs)]]
+    examples = [f"{src} => {hyp} [{ref}]" for (src, ref), hyp in zip(self.pairs[:5], hyps)]
+    return corpus_bleu(hyps, [p[1] for p in self.pairs]).score, examples
 
 
 class Translator:
@@ -95,24 +137,8 @@ class Translator:
   def _generate(self, params, src, max_len, beam_size, alpha):
     return generate(self.model, params, src, max_len, beam_size, alpha)
 
-  def encode_sources(self, sentences: list[str]) -> tuple[np.ndarray, int]:
-    """Token ids padded to the longest sentence (rounded up to 8): [B, S]; and truncations."""
-    ids, truncated = [], 0
-    for i, row in enumerate(self.tokenizers.src.encode(sentences)):
-      if not sentences[i].strip() or not row:
-        raise InferenceError(f"sentence {i + 1} is empty")
-      row = list(row) + [EOS]
-      if len(row) > self.max_src_len:
-        truncated += 1
-        logging.warning("sentence %d has %d tokens; truncated to the model's %d", i + 1,
-                        len(row), self.max_src_len)
-        row = row[:self.max_src_len - 1] + [EOS]
-      ids.append(row)
-    width = -(-max(len(r) for r in ids) // 8) * 8  # Few distinct shapes: few compilations.
-    return np.array([r + [0] * (width - len(r)) for r in ids], np.int32), truncated
-
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions()) -> list[str]:
-    src, _ = self.encode_sources(sentences)
+    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len)
     max_len = options.max_len or src.shape[1] + options.max_len_margin
     tokens = np.asarray(self._generate(self.params, src, max_len, options.beam_size,
                                        options.alpha))

@@ -21,7 +21,7 @@ def load_examples(config: ml_collections.ConfigDict, workdir: str | Path):
   run and the decoder see exactly the same vocabulary.
 
   Returns:
-    (tokenizers, train examples, eval examples)
+    (tokenizers, train examples, eval examples, eval sentence pairs)
   """
   tfds_dir = config.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
 
@@ -53,4 +53,4 @@ def load_examples(config: ml_collections.ConfigDict, workdir: str | Path):
       raise ValueError(f"{config.dataset} split {split!r} has no pair within max_len="
                        f"{config.max_len}")
     out.append(examples)
-  return tuple(out)
+  return (*out, eval_pairs)
