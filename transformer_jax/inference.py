@@ -97,7 +97,7 @@ class BleuEval:
     tokens = np.concatenate([np.asarray(self._generate(params, b)) for b in self.batches])
     hyps = [self.tokenizers.tgt.decode(decode.strip(t)) for t in tokens[:len(self.pairs)]]
     examples = [f"{src} => {hyp} [{ref}]" for (src, ref), hyp in zip(self.pairs[:5], hyps)]
-    return corpus_bleu(hyps, [p[1] for p in self.pairs]).score, examples
+    return corpus_bleu(hyps, [p[1] for p in self.pairs])[0], examples
 
 
 class Translator:

@@ -8,13 +8,11 @@ import math
 import sacrebleu
 
 
-def corpus_bleu(hypotheses: list[str], references: list[str]) -> sacrebleu.metrics.BLEUScore:
-  """Corpus sacreBLEU of detokenized output (default 13a tokenizer, cased)."""
-  return sacrebleu.metrics.BLEU().corpus_score(hypotheses, [references])
-
-
-def bleu_signature() -> str:
-  return str(sacrebleu.metrics.BLEU().get_signature())
+def corpus_bleu(hypotheses: list[str], references: list[str]) -> tuple[float, str]:
+  """Corpus sacreBLEU of detokenized output (default 13a tokenizer, cased) and its signature."""
+  bleu = sacrebleu.metrics.BLEU()
+  score = bleu.corpus_score(hypotheses, [references]).score
+  return score, str(bleu.get_signature())
 
 
 def d2l_bleu(prediction: str, reference: str, k: int = 2) -> float:

@@ -18,7 +18,7 @@ import tqdm
 from absl import app, flags, logging
 
 from transformer_jax import checkpoint
-from transformer_jax.metrics import bleu_signature, corpus_bleu
+from transformer_jax.metrics import corpus_bleu
 from transformer_jax.inference import DecodeOptions, InferenceError, Translator
 
 flags.DEFINE_string("workdir", None, "Training workdir (config.json, tokenizer, checkpoints/).")
@@ -80,7 +80,8 @@ def main(argv):
     else:
       print("\n".join(hypotheses))
     if references is not None:
-      print(f"BLEU = {corpus_bleu(hypotheses, references).score:.2f}  {bleu_signature()}")
+      score, signature = corpus_bleu(hypotheses, references)
+      print(f"BLEU = {score:.2f}  {signature}")
   except (InferenceError, checkpoint.CheckpointNotFoundError) as e:
     logging.get_absl_handler().flush()
     sys.exit(f"error: {e}")

@@ -1,0 +1,92 @@
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train
+from tests.conftest import DATA, ROOT
+from transformer_jax import metrics
+from transformer_jax.inference import DecodeOptions, InferenceError, Translator
+
+
+@pytest.fixture(scope="module")
+def d2l_workdir(tmp_path_factory, tfds_dir):
+  """configs/d2l_tiny.py trained in full (120 steps, about a minute on 2 cores)."""
+  from configs import d2l_tiny
+  config = d2l_tiny.get_config()
+  config.data_dir = str(DATA / "fra-eng")
+  config.tfds_dir = tfds_dir
+  workdir = tmp_path_factory.mktemp("d2l")
+  train.train_and_evaluate(config, str(workdir))
+  return workdir
+
+
+def test_d2l_tiny_reproduces_the_chapters_table(d2l_workdir):
+  translator = Translator(d2l_workdir)
+  assert translator.step == 120
+  english = ["I lost.", "I'm calm.", "I'm home."]
+  french = ["j'ai perdu .", "je suis calme .", "je suis chez moi ."]
+  out = translator.translate(english, DecodeOptions(beam_size=1))
+  assert out == french
+  assert [metrics.d2l_bleu(o, f, k=2) for o, f in zip(out, french)] == [1.0, 1.0, 1.0]
+  # Beam search agrees on these easy sentences.
+  assert translator.translate(english, DecodeOptions(beam_size=4)) == french
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "transformer_jax.translate", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_translate_file_with_reference_prints_sacrebleu(d2l_workdir, tmp_path):
+  (tmp_path / "in.txt").write_text("I lost.\nI'm home.\n")
+  (tmp_path / "ref.txt").write_text("J'ai perdu.\nJe suis chez moi.\n")
+  result = _cli("--workdir", str(d2l_workdir), "--input", str(tmp_path / "in.txt"),
+                "--output", str(tmp_path / "out.txt"), "--reference", str(tmp_path / "ref.txt"),
+                "--beam_size", "1", "--batch_size", "4")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert (tmp_path / "out.txt").read_text().splitlines() == ["j'ai perdu .", "je suis chez moi ."]
+  assert "BLEU = " in result.stdout and "tok:13a" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--step", "7", "I lost."], "no checkpoint for step 7"),
+    (["I lost.", " "], "sentence 2 is empty"),
+])
+def test_translate_errors_are_one_line(d2l_workdir, args, message):
+  result = _cli("--workdir", str(d2l_workdir), *args)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+
+
+def test_missing_checkpoint_and_corrupt_tokenizer(d2l_workdir, tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(InferenceError, match="no config.json"):
+    Translator(empty)
+  broken = tmp_path / "broken"
+  shutil.copytree(d2l_workdir, broken)
+  (broken / "vocab.json").write_text("{not json")
+  with pytest.raises(ValueError, match="corrupt tokenizer"):
+    Translator(broken)
+  shutil.rmtree(broken / "checkpoints")
+  (broken / "vocab.json").write_text((d2l_workdir / "vocab.json").read_text())
+  with pytest.raises(InferenceError, match="no checkpoints"):
+    Translator(broken)
+
+
+def test_overlong_sentence_is_truncated_with_a_warning(d2l_workdir, caplog):
+  translator = Translator(d2l_workdir)
+  out = translator.translate(["I lost " + "very " * 20 + "much."], DecodeOptions(beam_size=1))
+  assert len(out) == 1
+  assert any("truncated to the model's 9" in r.getMessage() for r in caplog.records)
+
+
+def test_d2l_bleu_matches_the_chapters_definition():
+  assert metrics.d2l_bleu("je suis calme .", "je suis calme .") == 1.0
+  # 2 of 4 unigrams and 1 of 3 bigrams match; no brevity penalty.
+  np.testing.assert_allclose(metrics.d2l_bleu("il est calme .", "je suis calme ."),
+                             (2 / 4) ** 0.5 * (1 / 3) ** 0.25)
+  assert metrics.d2l_bleu("", "je") == 0.0
