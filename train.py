@@ -39,6 +39,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  jax.config.update("jax_compilation_cache_dir",
+                    config.compilation_cache_dir or str(workdir / "jax_cache"))
   primary = jax.process_index() == 0
 
   tokenizers, train_examples, eval_examples, eval_pairs = data.load_examples(config, workdir)

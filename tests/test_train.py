@@ -71,3 +71,30 @@ def test_rsqrt_schedule_warms_up_then_decays():
   np.testing.assert_allclose(float(lr(50)), 5e-4, rtol=1e-6)
   np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)
   np.testing.assert_allclose(float(lr(400)), 1e-3 * np.sqrt(100 / 400), rtol=1e-6)
+
+
+def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded():
+  import flax.linen as nn
+  from transformer_jax.data import pipeline
+  from transformer_jax.model import Transformer
+  rng = np.random.default_rng(0)
+  examples = []
+  for n_src, n_tgt in [(5, 4), (3, 6), (4, 2)]:
+    tgt = list(rng.integers(4, 100, n_tgt - 1)) + [2]
+    examples.append({"inputs": np.array(list(rng.integers(4, 100, n_src - 1)) + [2], np.int32),
+                     "decoder_inputs": np.array([1] + tgt[:-1], np.int32),
+                     "targets": np.array(tgt, np.int32)})
+  # One packed row holding the three sentences (12 tokens a side; no fourth fits in 13).
+  packed = next(iter(pipeline.train_dataset(examples, batch_size=1, max_len=13, seed=0,
+                                            packing=True)))
+  assert packed["targets_segment_ids"].max() == 3
+  padded = pipeline.eval_batches(examples, batch_size=3, max_len=13)[0]
+  model = Transformer(tiny_model_config())
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), padded["inputs"],
+                                    padded["decoder_inputs"])["params"])
+  state = train_lib.TrainState.create(apply_fn=model.apply, params=params,
+                                      tx=optax.sgd(0.1), rng=jax.random.PRNGKey(0))
+  a = train_lib.eval_step(state, packed)
+  b = train_lib.eval_step(state, padded)
+  assert float(a["tokens"]) == float(b["tokens"]) == 12
+  np.testing.assert_allclose(float(a["nll_sum"]), float(b["nll_sum"]), rtol=1e-5)
