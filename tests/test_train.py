@@ -84,11 +84,19 @@ def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded():
     examples.append({"inputs": np.array(list(rng.integers(4, 100, n_src - 1)) + [2], np.int32),
                      "decoder_inputs": np.array([1] + tgt[:-1], np.int32),
                      "targets": np.array(tgt, np.int32)})
-  # One packed row holding the three sentences (12 tokens a side; no fourth fits in 13).
-  packed = next(iter(pipeline.train_dataset(examples, batch_size=1, max_len=13, seed=0,
+  packed = next(iter(pipeline.train_dataset(examples, batch_size=2, max_len=16, seed=0,
                                             packing=True)))
-  assert packed["targets_segment_ids"].max() == 3
-  padded = pipeline.eval_batches(examples, batch_size=3, max_len=13)[0]
+  assert packed["targets_segment_ids"].max() >= 2  # Rows really hold several sentences.
+  # The same sentences cut out of the packed rows, one per padded row.
+  unpacked = []
+  for r in range(2):
+    for seg in range(1, packed["targets_segment_ids"][r].max() + 1):
+      src = packed["inputs_segment_ids"][r] == seg
+      tgt = packed["targets_segment_ids"][r] == seg
+      unpacked.append({"inputs": packed["inputs"][r][src],
+                       "decoder_inputs": packed["decoder_inputs"][r][tgt],
+                       "targets": packed["targets"][r][tgt]})
+  padded = pipeline.eval_batches(unpacked, batch_size=len(unpacked), max_len=16)[0]
   model = Transformer(tiny_model_config())
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), padded["inputs"],
                                     padded["decoder_inputs"])["params"])
@@ -96,5 +104,5 @@ def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded():
                                       tx=optax.sgd(0.1), rng=jax.random.PRNGKey(0))
   a = train_lib.eval_step(state, packed)
   b = train_lib.eval_step(state, padded)
-  assert float(a["tokens"]) == float(b["tokens"]) == 12
+  assert float(a["tokens"]) == float(b["tokens"]) == sum(len(u["targets"]) for u in unpacked)
   np.testing.assert_allclose(float(a["nll_sum"]), float(b["nll_sum"]), rtol=1e-5)
