@@ -1,0 +1,204 @@
+"""Train-step throughput and model-FLOPs utilisation, using the library's own train_step.
+
+  python benchmarks/train_step.py --config configs/fra_eng.py [--batch_tokens 2304]
+      [--steps 20] [--real_data --data_dir ../shared/data/fra-eng] [--json out.json]
+
+Prints a table and optionally writes JSON: device, compile time, the ahead-of-time memory
+report, median and p90 step time, tokens/s (real tokens only, and with padding), model FLOPs
+per step (formula in benchmarks/README.md), achieved FLOP/s, and utilisation against a large
+matrix product timed on the same device in the same run and against the vendor's peak where the
+device is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.decode import load_config  # noqa: E402
+from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
+from transformer_jax.model import Transformer, TransformerConfig  # noqa: E402
+
+# Dense peak FLOP/s per chip in bfloat16 (vendor data sheets).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12,
+             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12}
+
+
+def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarray) -> float:
+  """Training FLOPs (forward + backward = 3 x forward) of one batch.
+
+  src_lens, tgt_lens: [B] lengths attended over (one sentence a row; for packed rows pass the
+  per-sentence lengths of every sentence). Multiply-adds count 2 FLOPs.
+  """
+  d, f, v = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
+  s, t = src_lens.astype(np.float64), tgt_lens.astype(np.float64)
+  enc = cfg.num_encoder_layers * (
+      (8 * d * d + 4 * d * f) * s.sum()  # Q, K, V, O projections and the FFN
+      + 4 * d * (s * s).sum())  # scores and weighted values over all S keys
+  dec = cfg.num_decoder_layers * (
+      (8 * d * d + 4 * d * d + 4 * d * f) * t.sum()  # self Q,K,V,O; cross Q,O; FFN
+      + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
+      + 2 * d * (t * t).sum()  # causal self-attention: half the T x T scores
+      + 4 * d * (t * s).sum())  # cross-attention scores and values
+  out = 2 * d * v * t.sum()  # vocabulary projection
+  return 3.0 * (enc + dec + out)
+
+
+def segment_lengths(segment_ids: np.ndarray) -> np.ndarray:
+  """All sentences' lengths in a [B, L] batch of segment ids (0 = padding)."""
+  lens = []
+  for row in segment_ids:
+    ids, counts = np.unique(row[row > 0], return_counts=True)
+    lens.extend(counts.tolist())
+  return np.array(lens)
+
+
+def matmul_rate(dtype, n: int = 4096, repeats: int = 5) -> float:
+  """FLOP/s of an n x n x n matrix product in `dtype` on the default device."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(f(a))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(a))
+    times.append(time.perf_counter() - start)
+  return 2 * n ** 3 / float(np.median(times))
+
+
+def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0):
+  """Full rows of random tokens, one sentence each."""
+  rng = np.random.default_rng(seed)
+  seg = np.ones((rows, length), np.int32)
+  pos = np.tile(np.arange(length, dtype=np.int32), (rows, 1))
+  tok = lambda: rng.integers(4, vocab, (rows, length)).astype(np.int32)
+  return {"inputs": tok(), "decoder_inputs": tok(), "targets": tok(), "inputs_segment_ids": seg,
+          "targets_segment_ids": seg, "inputs_positions": pos, "targets_positions": pos}
+
+
+def real_batches(config, rows: int, packing: bool, count: int):
+  """Batches from the real fra-eng pipeline (packed, or padded to max_len)."""
+  import tempfile
+  from transformer_jax import data
+  from transformer_jax.data import pipeline
+  with tempfile.TemporaryDirectory() as workdir:
+    _, train_examples, _, _ = data.load_examples(config, workdir)
+  it = iter(pipeline.train_dataset(train_examples, batch_size=rows, max_len=config.max_len,
+                                   seed=0, packing=packing))
+  return [next(it) for _ in range(count)]
+
+
+def benchmark(config, batches, steps: int, warmup: int = 2) -> dict:
+  mesh = sharding.make_mesh(config.mesh_shape)
+  vocab = config.vocab_size
+  cfg = config_lib.model_config(config, vocab, vocab)
+  state, shardings = train_lib.create_train_state(
+      Transformer(cfg), train_lib.make_optimizer(config), 0, mesh, config.max_len)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, config.label_smoothing)
+  with sharding.mesh_context(mesh):
+    global_batches = [sharding.global_batch(b, mesh) for b in batches]
+    start = time.perf_counter()
+    compiled = p_train.lower(state, global_batches[0]).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    for i in range(warmup):
+      state, metrics = compiled(state, global_batches[i % len(batches)])
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
+      start = time.perf_counter()
+      state, metrics = compiled(state, global_batches[i % len(batches)])
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - start)
+  median, p90 = float(np.median(times)), float(np.percentile(times, 90))
+  mean = lambda key: float(np.mean([b[key].sum() for b in batches]))
+  flops = float(np.mean([model_flops(cfg, segment_lengths(b["inputs_segment_ids"]),
+                                     segment_lengths(b["targets_segment_ids"]))
+                         for b in batches]))
+  rows, length = batches[0]["targets"].shape
+  return {
+      "compile_s": compile_s, "median_step_s": median, "p90_step_s": p90,
+      "real_tgt_tokens_per_s": mean("targets_segment_ids") / median,
+      "real_src_tokens_per_s": mean("inputs_segment_ids") / median,
+      "padded_tokens_per_s": rows * length / median,
+      "padding_fraction": 1.0 - mean("targets_segment_ids") / (rows * length),
+      "model_flops_per_step": flops, "achieved_flops_per_s": flops / median,
+      "memory": {k: getattr(memory, k, None) for k in (
+          "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+          "generated_code_size_in_bytes")} if memory is not None else None,
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/fra_eng.py")
+  parser.add_argument("--batch_tokens", type=int, default=0,
+                      help="tokens a side per batch (rows = batch_tokens // max_len)")
+  parser.add_argument("--max_len", type=int, default=0)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--real_data", action="store_true",
+                      help="fra-eng batches: packed and padded, side by side")
+  parser.add_argument("--data_dir", default="../shared/data/fra-eng")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+
+  config = load_config(args.config)
+  if args.max_len:
+    config.max_len = args.max_len
+  if args.batch_tokens:
+    config.batch_size = max(1, args.batch_tokens // config.max_len)
+  rows = config.batch_size
+  dtype = jnp.dtype(config.model.dtype)
+  device = jax.devices()[0]
+  matmul = matmul_rate(dtype)
+  peak = next((p for name, p in PEAK_BF16.items() if name in device.device_kind), None)
+  cases = {}
+  if args.real_data:
+    config.data_dir = args.data_dir
+    for packing in (True, False):
+      cases["packed" if packing else "padded"] = real_batches(config, rows, packing, 8)
+  else:
+    cases["synthetic"] = [synthetic_batch(rows, config.max_len, config.vocab_size)]
+  results = {name: benchmark(config, batches, args.steps) for name, batches in cases.items()}
+
+  cpu = platform.processor() or platform.machine()
+  print(f"device: {device.device_kind} x{jax.device_count()} ({cpu}, {os.cpu_count()} cores), "
+        f"jax {jax.__version__}; config {args.config}: d_model {config.model.d_model}, "
+        f"{config.model.num_encoder_layers}+{config.model.num_decoder_layers} layers, "
+        f"{rows} x {config.max_len} tokens a side, {config.model.dtype}")
+  print(f"matrix product rate ({dtype.name}, 4096^3): {matmul / 1e9:.1f} GFLOP/s"
+        + (f"; vendor peak {peak / 1e12:.0f} TFLOP/s" if peak else ""))
+  for name, r in results.items():
+    r["mfu_vs_matmul"] = r["achieved_flops_per_s"] / matmul
+    r["mfu_vs_peak"] = r["achieved_flops_per_s"] / peak if peak else None
+    print(f"[{name}] compile {r['compile_s']:.1f} s | step median {r['median_step_s'] * 1e3:.1f}"
+          f" ms, p90 {r['p90_step_s'] * 1e3:.1f} ms | real target tokens/s "
+          f"{r['real_tgt_tokens_per_s']:.0f}, source {r['real_src_tokens_per_s']:.0f}, with "
+          f"padding {r['padded_tokens_per_s']:.0f} (padding {r['padding_fraction']:.1%}) | "
+          f"{r['model_flops_per_step'] / 1e9:.1f} GFLOP/step, "
+          f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = {r['mfu_vs_matmul']:.1%} of matmul"
+          + (f", {r['mfu_vs_peak']:.1%} of peak" if peak else ""))
+    if r["memory"]:
+      print(f"[{name}] memory (AOT): " + ", ".join(
+          f"{k.replace('_size_in_bytes', '')} {v / 2**20:.1f} MiB"
+          for k, v in r["memory"].items() if v is not None))
+  if args.json:
+    Path(args.json).write_text(json.dumps(
+        {"device": device.device_kind, "device_count": jax.device_count(), "config": args.config,
+         "matmul_flops_per_s": matmul, "peak_flops_per_s": peak, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+  main()
