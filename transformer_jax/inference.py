@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 from absl import logging
 
 from transformer_jax import checkpoint, config as config_lib, decode, sharding
@@ -94,7 +95,10 @@ class BleuEval:
 
   def __call__(self, params) -> tuple[float, list[str]]:
     """-> (BLEU, a few 'source => output [reference]' lines)."""
-    tokens = np.concatenate([np.asarray(self._generate(params, b)) for b in self.batches])
+    # process_allgather: with several hosts the output is a global array.
+    tokens = np.concatenate([multihost_utils.process_allgather(self._generate(params, b),
+                                                               tiled=True)
+                             for b in self.batches])
     hyps = [self.tokenizers.tgt.decode(decode.strip(t)) for t in tokens[:len(self.pairs)]]
     examples = [f"{src} => {hyp} [{ref}]" for (src, ref), hyp in zip(self.pairs[:5], hyps)]
     return corpus_bleu(hyps, [p[1] for p in self.pairs])[0], examples
