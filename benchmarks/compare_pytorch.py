@@ -1,0 +1,143 @@
+"""Our train step against the same Transformer in PyTorch, timed A B A B in one process.
+
+  pip install ".[bench]"   # torch (on the dev machine: the CPU build, torch==2.13.0)
+  python benchmarks/compare_pytorch.py --config configs/fra_eng.py [--rows 48 --len 48]
+      [--rounds 4 --steps 5] [--json out.json]
+
+PyTorch side: `torch.nn.Transformer` (post-LN, ReLU, batch_first), embeddings shared between
+source and target and tied to the output projection, sinusoidal positions, label-smoothed
+cross-entropy ignoring padding, Adam(0.9, 0.98, 1e-9) and global-norm clipping: the same
+architecture, sizes, batch and lengths as ours. Both sides run full rows of random tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.decode import load_config  # noqa: E402
+from benchmarks.train_step import synthetic_batch  # noqa: E402
+from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
+from transformer_jax.model import Transformer  # noqa: E402
+
+
+def torch_step_fn(config, vocab: int, batch):
+  import torch
+  from torch import nn
+  torch.set_num_threads(os.cpu_count())
+  m = config.model
+  d = m.d_model
+
+  class TorchTransformer(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.embed = nn.Embedding(vocab, d, padding_idx=0)
+      self.core = nn.Transformer(d, m.num_heads, m.num_encoder_layers, m.num_decoder_layers,
+                                 m.ffn_dim, m.dropout_rate, batch_first=True, norm_first=False)
+      pos = torch.arange(config.max_len)[:, None]
+      inv = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+      pe = torch.zeros(config.max_len, d)
+      pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * inv), torch.cos(pos * inv)
+      self.register_buffer("pe", pe)
+      self.drop = nn.Dropout(m.dropout_rate)
+
+    def forward(self, src, tgt):
+      x = self.drop(self.embed(src) * math.sqrt(d) + self.pe[:src.shape[1]])
+      y = self.drop(self.embed(tgt) * math.sqrt(d) + self.pe[:tgt.shape[1]])
+      causal = self.core.generate_square_subsequent_mask(tgt.shape[1])
+      h = self.core(x, y, tgt_mask=causal, src_key_padding_mask=src == 0,
+                    tgt_key_padding_mask=tgt == 0, memory_key_padding_mask=src == 0)
+      return h @ self.embed.weight.T  # Tied output projection.
+
+  model = TorchTransformer()
+  opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+  loss_fn = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.label_smoothing)
+  src, tgt_in, tgt = (torch.from_numpy(batch[k]).long()
+                      for k in ("inputs", "decoder_inputs", "targets"))
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    logits = model(src, tgt_in)
+    loss = loss_fn(logits.reshape(-1, vocab), tgt.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    opt.step()
+    return loss.item()
+  return step, torch.__version__
+
+
+def jax_step_fn(config, vocab: int, batch):
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  model = Transformer(config_lib.model_config(config, vocab, vocab))
+  state, shardings = train_lib.create_train_state(
+      model, train_lib.make_optimizer(config), 0, mesh, config.max_len)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, config.label_smoothing)
+  holder = {"state": state}
+  with sharding.mesh_context(mesh):
+    gbatch = sharding.global_batch(batch, mesh)
+
+  def step():
+    with sharding.mesh_context(mesh):
+      holder["state"], metrics = p_train(holder["state"], gbatch)
+    return float(metrics["loss"])  # Waits for the step.
+  return step
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/fra_eng.py")
+  parser.add_argument("--rows", type=int, default=0)
+  parser.add_argument("--len", type=int, default=0)
+  parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+  config = load_config(args.config)
+  config.max_len = args.len or config.max_len
+  rows = args.rows or config.batch_size
+  vocab = config_lib.padded_vocab(config.vocab_size)
+  batch = synthetic_batch(rows, config.max_len, vocab)
+
+  steps = {"jax": jax_step_fn(config, vocab, batch)}
+  steps["torch"], torch_version = torch_step_fn(config, vocab, batch)
+  for fn in steps.values():  # Compile / warm up.
+    fn(), fn()
+  times = {name: [] for name in steps}
+  for _ in range(args.rounds):  # A B A B: both see the same machine state.
+    for name, fn in steps.items():
+      for _ in range(args.steps):
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+  median = {name: statistics.median(t) for name, t in times.items()}
+  tokens = rows * config.max_len
+  print(f"device: {jax.devices()[0].device_kind} ({os.cpu_count()} cores), jax {jax.__version__},"
+        f" torch {torch_version}; d_model {config.model.d_model}, "
+        f"{config.model.num_encoder_layers}+{config.model.num_decoder_layers} layers, "
+        f"FFN {config.model.ffn_dim}, {config.model.num_heads} heads, vocab {vocab}, "
+        f"batch {rows} x {config.max_len} tokens a side")
+  for name in steps:
+    print(f"{name:>6}: median step {median[name] * 1e3:8.1f} ms "
+          f"(min {min(times[name]) * 1e3:.1f}, max {max(times[name]) * 1e3:.1f}), "
+          f"{tokens / median[name]:8.0f} target tokens/s")
+  ratio = median["torch"] / median["jax"]
+  print(f"ours / PyTorch throughput: {ratio:.2f}x")
+  if args.json:
+    Path(args.json).write_text(json.dumps({"median_s": median, "times_s": times,
+                                           "ratio": ratio, "torch": torch_version}, indent=2))
+
+
+if __name__ == "__main__":
+  main()
