@@ -37,6 +37,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   config_lib.validate(config)
   mesh = sharding.make_mesh(config.mesh_shape)
   workdir = Path(workdir)
+  if (workdir / "config.json").exists() and any((workdir / "checkpoints").glob("[0-9]*")):
+    config_lib.check_same_model((workdir / "config.json").read_text(), config)
   workdir.mkdir(parents=True, exist_ok=True)
   (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   jax.config.update("jax_compilation_cache_dir",

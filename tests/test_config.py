@@ -49,3 +49,14 @@ def test_train_py_fails_in_one_line_before_compiling(tmp_path):
   assert result.stderr.strip().splitlines()[-1] == (
       "error: model.d_model=30 is not divisible by model.num_heads=4")
   assert not (tmp_path / "w").exists()  # Nothing half-written.
+
+
+def test_a_workdir_of_another_model_is_refused():
+  from configs import fra_eng
+  saved = fra_eng.get_config("smoke")
+  config_lib.check_same_model(saved.to_json(), saved)  # Same model: fine.
+  scanned = fra_eng.get_config("smoke")
+  scanned.model.scan_layers = True
+  scanned.vocab_size = 300
+  with pytest.raises(config_lib.ConfigError, match="model.scan_layers, vocab_size differ"):
+    config_lib.check_same_model(saved.to_json(), scanned)

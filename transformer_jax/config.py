@@ -105,7 +105,8 @@ def base_config() -> ml_collections.ConfigDict:
       d_model=512, num_heads=8, ffn_dim=2048, num_encoder_layers=6, num_decoder_layers=6,
       dropout_rate=0.1, pre_ln=False, attention_bias=True, share_embeddings=True,
       tie_output=True, dtype="float32",
-      attention_impl="auto"))  # auto: cuDNN fused attention on NVIDIA GPUs in bf16, else XLA.
+      attention_impl="auto",  # auto: cuDNN fused attention on NVIDIA GPUs in bf16, else XLA.
+      scan_layers=False, remat="none"))
 
   c.num_steps = 10_000
   c.schedule = "rsqrt"
@@ -139,3 +140,17 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.num_steps, c.warmup_steps = 20, 5
   c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
   return c
+
+
+def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError if a workdir's saved config describes another model (a resumed run
+  must not restore, say, unscanned parameters into a scanned model)."""
+  import json
+  saved = json.loads(saved_json).get("model", {})
+  current = config.model.to_dict()
+  changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+  fields = ("dataset", "tokenizer", "vocab_size")
+  changed += [k for k in fields if json.loads(saved_json).get(k) != config[k]]
+  _check(not changed, "the workdir's checkpoints are of another model: "
+         + ", ".join(f"{'' if k in fields else 'model.'}{k}" for k in changed)
+         + " differ from its config.json")

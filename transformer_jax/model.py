@@ -33,6 +33,8 @@ from jax import lax
 import numpy as np
 
 Dtype = Literal["float32", "bfloat16"]
+REMAT_POLICIES = {"none": None, "full": None,
+                  "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,8 @@ class TransformerConfig:
   dtype: Dtype = "float32"  # Compute dtype; parameters stay float32.
   attention_impl: Literal["xla", "cudnn"] | None = "xla"
   attention_weights: bool = False  # Sow attention weights into "intermediates".
+  scan_layers: bool = False  # nn.scan over layers: compile time independent of depth.
+  remat: Literal["none", "full", "dots"] = "none"  # Recompute activations in the backward pass.
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -61,6 +65,10 @@ class TransformerConfig:
           f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
     if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
       raise ValueError("model.share_embeddings needs equal source and target vocabularies")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.attention_weights and self.scan_layers:
+      raise ValueError("attention weights are sown per layer: use an unscanned model")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
 
@@ -245,6 +253,66 @@ class DecoderBlock(nn.Module):
     return y, new
 
 
+class _EncoderLayer(nn.Module):
+  """One encoder block as an nn.scan body."""
+  cfg: TransformerConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, mask):
+    return EncoderBlock(self.cfg, name="block")(x, mask, self.deterministic), None
+
+
+class _DecoderLayer(nn.Module):
+  """One decoder block as an nn.scan body, in one of three modes sharing its parameters:
+  `train` (teacher forcing), `cross_kv` (per-layer cross-attention keys/values) and `step`
+  (one cached decoding position)."""
+  cfg: TransformerConfig
+  mode: str
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, carry, *args):
+    block = DecoderBlock(self.cfg, name="block")
+    if self.mode == "train":
+      return block(carry, *args, self.deterministic), None
+    if self.mode == "cross_kv":
+      return carry, block.cross_kv(carry)
+    return block.step(carry, *args)
+
+
+def _scan(layer_cls, cfg: TransformerConfig, length: int, in_axes, out_axes=0):
+  if cfg.remat != "none":
+    layer_cls = nn.remat(layer_cls, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+  return nn.scan(layer_cls, variable_axes={"params": 0},
+                 split_rngs={"params": True, "dropout": True}, in_axes=in_axes,
+                 out_axes=out_axes, length=length,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+class ScannedEncoder(nn.Module):
+  """The encoder blocks as one nn.scan: parameters stacked on a leading `layers` axis."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, mask, deterministic: bool):
+    stack = _scan(_EncoderLayer, self.cfg, self.cfg.num_encoder_layers, nn.broadcast)
+    return stack(self.cfg, deterministic, name="layers")(x, mask)[0]
+
+
+class ScannedDecoder(nn.Module):
+  """The decoder blocks as one nn.scan. Caches hold a layer axis after the batch axis,
+  [B, layers, ...], so that decoding reorders them by batch row like any other cache."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, mode: str, carry, *args, deterministic: bool = True):
+    in_axes = {"train": nn.broadcast, "cross_kv": (),
+               "step": (1, nn.broadcast, nn.broadcast)}[mode]
+    stack = _scan(_DecoderLayer, self.cfg, self.cfg.num_decoder_layers, in_axes, out_axes=1)
+    return stack(self.cfg, mode, deterministic, name="layers")(carry, *args)
+
+
 def _embed(cfg: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
   # N(0, 1/D) entries, scaled by sqrt(D) on input: unit-variance inputs and, when tied,
   # unit-scale logits.
@@ -262,10 +330,13 @@ class Transformer(nn.Module):
     self.src_embed = _embed(cfg, cfg.src_vocab_size, "src_embed")
     self.tgt_embed = (self.src_embed if cfg.share_embeddings
                       else _embed(cfg, cfg.tgt_vocab_size, "tgt_embed"))
-    self.encoder_blocks = [EncoderBlock(cfg, name=f"encoder_{i}")
-                           for i in range(cfg.num_encoder_layers)]
-    self.decoder_blocks = [DecoderBlock(cfg, name=f"decoder_{i}")
-                           for i in range(cfg.num_decoder_layers)]
+    if cfg.scan_layers:
+      self.encoder_stack, self.decoder_stack = ScannedEncoder(cfg), ScannedDecoder(cfg)
+    else:
+      self.encoder_blocks = [EncoderBlock(cfg, name=f"encoder_{i}")
+                             for i in range(cfg.num_encoder_layers)]
+      self.decoder_blocks = [DecoderBlock(cfg, name=f"decoder_{i}")
+                             for i in range(cfg.num_decoder_layers)]
     norm = lambda name: nn.LayerNorm(
         dtype=cfg.compute_dtype, name=name,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
@@ -290,8 +361,11 @@ class Transformer(nn.Module):
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)
     mask = attention_mask(src_segments, src_segments)  # [B, 1, S, S]
     x = self._inputs(self.src_embed, src, src_positions, deterministic)
-    for block in self.encoder_blocks:
-      x = block(x, mask, deterministic)
+    if self.cfg.scan_layers:
+      x = self.encoder_stack(x, mask, deterministic)
+    else:
+      for block in self.encoder_blocks:
+        x = block(x, mask, deterministic)
     return self.encoder_norm(x) if self.cfg.pre_ln else x
 
   def decode(self, memory, tgt_in, src_segments, tgt_segments=None, tgt_positions=None,
@@ -301,8 +375,12 @@ class Transformer(nn.Module):
     self_mask = attention_mask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
     cross_mask = attention_mask(tgt_segments, src_segments)  # [B, 1, T, S]
     y = self._inputs(self.tgt_embed, tgt_in, tgt_positions, deterministic)
-    for block in self.decoder_blocks:
-      y = block(y, memory, self_mask, cross_mask, deterministic)
+    if self.cfg.scan_layers:
+      y = self.decoder_stack("train", y, memory, self_mask, cross_mask,
+                             deterministic=deterministic)[0]
+    else:
+      for block in self.decoder_blocks:
+        y = block(y, memory, self_mask, cross_mask, deterministic)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
     logits = self.tgt_embed.attend(y) if self.cfg.tie_output else self.output_proj(y)
@@ -317,11 +395,16 @@ class Transformer(nn.Module):
     """
     cfg = self.cfg
     b, n, h = memory.shape[0], cfg.num_heads, cfg.d_model // cfg.num_heads
-    layers = []
-    for block in self.decoder_blocks:
-      cross_k, cross_v = block.cross_kv(memory)
-      zeros = jnp.zeros((b, max_len, n, h), cfg.compute_dtype)
-      layers.append({"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v})
+    if cfg.scan_layers:  # One dict of [B, layers, ...] arrays.
+      cross_k, cross_v = self.decoder_stack("cross_kv", memory)[1]
+      zeros = jnp.zeros((b, cfg.num_decoder_layers, max_len, n, h), cfg.compute_dtype)
+      layers = {"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v}
+    else:  # A list of per-layer dicts of [B, ...] arrays.
+      layers = []
+      for block in self.decoder_blocks:
+        cross_k, cross_v = block.cross_kv(memory)
+        zeros = jnp.zeros((b, max_len, n, h), cfg.compute_dtype)
+        layers.append({"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v})
     return {"index": jnp.zeros((), jnp.int32), "src_valid": src_segments > 0, "layers": layers}
 
   def decode_step(self, tokens, cache):
@@ -330,10 +413,13 @@ class Transformer(nn.Module):
     positions = jnp.broadcast_to(index, tokens.shape)
     y = self._inputs(self.tgt_embed, tokens, positions, True)
     cross_mask = cache["src_valid"][:, None, None, :]  # [B, 1, 1, S]
-    layers = []
-    for block, layer in zip(self.decoder_blocks, cache["layers"]):
-      y, layer = block.step(y, layer, index, cross_mask)
-      layers.append(layer)
+    if self.cfg.scan_layers:
+      y, layers = self.decoder_stack("step", y, cache["layers"], index, cross_mask)
+    else:
+      layers = []
+      for block, layer in zip(self.decoder_blocks, cache["layers"]):
+        y, layer = block.step(y, layer, index, cross_mask)
+        layers.append(layer)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
     logits = self.tgt_embed.attend(y) if self.cfg.tie_output else self.output_proj(y)

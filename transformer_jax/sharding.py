@@ -11,7 +11,7 @@ parameters and optimizer state are split along their `embed` dimension) and `ten
 | heads        | tensor           |
 | mlp          | tensor           |
 | vocab        | tensor           |
-| kv, length, act_embed | replicated |
+| kv, length, act_embed, layers | replicated |
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("kv", None),
+    ("layers", None),
     ("length", None),
     ("act_embed", None),
 )
