@@ -13,6 +13,7 @@ device is known.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -151,10 +152,19 @@ def main():
   parser.add_argument("--real_data", action="store_true",
                       help="fra-eng batches: packed and padded, side by side")
   parser.add_argument("--data_dir", default="../shared/data/fra-eng")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="config override, e.g. --set model.scan_layers=True")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
 
   config = load_config(args.config)
+  for item in args.set:
+    key, _, value = item.partition("=")
+    *path, leaf = key.split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    node[leaf] = ast.literal_eval(value) if value not in ("xla", "cudnn", "auto") else value
   if args.max_len:
     config.max_len = args.max_len
   if args.batch_tokens:
