@@ -75,39 +75,44 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
   schedule = train_lib.learning_rate_schedule(config)
   p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing)
-  bleu_eval = config.num_bleu_sentences and inference.BleuEval(
-      model, tokenizers, eval_pairs[::max(1, len(eval_pairs) // config.num_bleu_sentences)]
-      [:config.num_bleu_sentences], config.max_len,
-      config.eval_batch_size)
+  # BLEU on a fixed sample spread over the eval split (which is in corpus order).
+  stride = max(1, len(eval_pairs) // max(config.num_bleu_sentences, 1))
+  bleu_pairs = eval_pairs[::stride][:config.num_bleu_sentences]
+  bleu_eval = bleu_pairs and inference.BleuEval(model, tokenizers, bleu_pairs, config.max_len,
+                                                config.eval_batch_size)
 
-  with sharding.mesh_context(mesh):
-    history, tick = [], time.perf_counter()
-    for step in range(start + 1, config.num_steps + 1):
-      with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        local = next(train_iter)
-        state, metrics = p_train(state, sharding.global_batch(local, mesh))
-        history.append(metrics)
-      report(step)
-      if step % config.log_every == 0 or step == config.num_steps:
-        summary = {k: float(np.mean([m[k] for m in history])) for k in history[0]}
-        elapsed = time.perf_counter() - tick
-        summary.update(tokens_per_sec=summary["tokens"] * len(history) / elapsed,
-                       learning_rate=float(schedule(step - 1)))
-        writer.write_scalars(step, {f"train/{k}": v for k, v in summary.items()})
-        history, tick = [], time.perf_counter()
-      if step % config.eval_every == 0 or step == config.num_steps:
-        with report.timed("eval"):
-          result = train_lib.summarize_eval(
-              [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
-        if bleu_eval:
-          with report.timed("bleu"):
-            result["bleu"], examples = bleu_eval(state.params)
-          writer.write_texts(step, {"eval/examples": "\n".join(examples)})
-        writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
-      if step % config.checkpoint_every == 0 or step == config.num_steps:
-        ckpt.save(step, state, train_iter, force=True)
-  writer.flush()
-  ckpt.close()
+  try:
+    with sharding.mesh_context(mesh):
+      history, tick = [], time.perf_counter()
+      for step in range(start + 1, config.num_steps + 1):
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+          local = next(train_iter)
+          state, metrics = p_train(state, sharding.global_batch(local, mesh))
+          history.append(metrics)
+        report(step)
+        if step % config.log_every == 0 or step == config.num_steps:
+          summary = {k: float(np.mean([m[k] for m in history])) for k in history[0]}
+          summary.update(
+              tokens_per_sec=summary["tokens"] * len(history) / (time.perf_counter() - tick),
+              learning_rate=float(schedule(step - 1)))
+          writer.write_scalars(step, {f"train/{k}": v for k, v in summary.items()})
+          history, tick = [], time.perf_counter()
+        if step % config.eval_every == 0 or step == config.num_steps:
+          eval_start = time.perf_counter()
+          with report.timed("eval"):
+            result = train_lib.summarize_eval(
+                [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
+          if bleu_eval:
+            with report.timed("bleu"):
+              result["bleu"], examples = bleu_eval(state.params)
+            writer.write_texts(step, {"eval/examples": "\n".join(examples)})
+          writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
+          tick += time.perf_counter() - eval_start  # Training throughput excludes evaluation.
+        if step % config.checkpoint_every == 0 or step == config.num_steps:
+          ckpt.save(step, state, train_iter, force=True)
+  finally:  # Also on an error: finish the checkpoint being written, flush the logs.
+    writer.flush()
+    ckpt.close()
   return state
 
 
