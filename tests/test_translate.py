@@ -90,3 +90,19 @@ def test_d2l_bleu_matches_the_chapters_definition():
   np.testing.assert_allclose(metrics.d2l_bleu("il est calme .", "je suis calme ."),
                              (2 / 4) ** 0.5 * (1 / 3) ** 0.25)
   assert metrics.d2l_bleu("", "je") == 0.0
+
+
+def test_visualize_writes_heatmaps_per_layer(d2l_workdir, tmp_path):
+  from transformer_jax import visualize
+  translator = Translator(d2l_workdir)
+  src_tokens, tgt_tokens, maps = visualize.attention_maps(translator, "I'm home.")
+  assert src_tokens == ["i'm", "home", ".", "<eos>"]
+  assert tgt_tokens == ["<bos>", "je", "suis", "chez", "moi", "."]
+  assert sorted(maps) == [(k, layer) for k in ("cross", "decoder", "encoder") for layer in (0, 1)]
+  assert maps["cross", 0].shape == (4, 6, 4)  # [heads, target, source]
+  np.testing.assert_allclose(maps["cross", 1].sum(-1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(np.triu(maps["decoder", 0], 1), 0.0, atol=1e-7)  # causal
+  paths = visualize.plot(maps, src_tokens, tgt_tokens, tmp_path / "maps")
+  assert sorted(p.name for p in paths) == sorted(
+      f"{k}_layer{layer}.png" for k in ("encoder", "decoder", "cross") for layer in (1, 2))
+  assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
