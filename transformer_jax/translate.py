@@ -21,16 +21,6 @@ from transformer_jax import checkpoint
 from transformer_jax.metrics import corpus_bleu
 from transformer_jax.inference import DecodeOptions, InferenceError, Translator
 
-flags.DEFINE_string("workdir", None, "Training workdir (config.json, tokenizer, checkpoints/).")
-flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
-flags.DEFINE_integer("beam_size", 4, "Beam size; 1 decodes greedily.")
-flags.DEFINE_float("alpha", 0.6, "GNMT length penalty exponent (beam search).")
-flags.DEFINE_integer("max_len", 0, "Output tokens at most; 0: source length + 10.")
-flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input.")
-flags.DEFINE_string("input", None, "File with one source sentence a line.")
-flags.DEFINE_string("output", None, "Where to write the translations of --input.")
-flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
-
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
                     batch_size: int, progress: bool = True) -> list[str]:
@@ -52,6 +42,19 @@ def _read_lines(path: str) -> list[str]:
   if not p.is_file():
     raise InferenceError(f"{path} does not exist")
   return p.read_text(encoding="utf-8").splitlines()
+
+
+def define_flags():
+  """Command-line flags; defined only when run as a command, so importing is side-effect free."""
+  flags.DEFINE_string("workdir", None, "Training workdir (config.json, tokenizer, checkpoints/).")
+  flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
+  flags.DEFINE_integer("beam_size", 4, "Beam size; 1 decodes greedily.")
+  flags.DEFINE_float("alpha", 0.6, "GNMT length penalty exponent (beam search).")
+  flags.DEFINE_integer("max_len", 0, "Output tokens at most; 0: source length + 10.")
+  flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input.")
+  flags.DEFINE_string("input", None, "File with one source sentence a line.")
+  flags.DEFINE_string("output", None, "Where to write the translations of --input.")
+  flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
 
 
 def main(argv):
@@ -88,4 +91,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

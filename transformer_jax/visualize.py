@@ -30,9 +30,6 @@ from transformer_jax.inference import (DecodeOptions, InferenceError, Translator
                                        encode_sources)
 from transformer_jax.model import Transformer  # noqa: E402
 
-flags.DEFINE_string("workdir", None, "Training workdir.")
-flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
-flags.DEFINE_string("out", None, "Directory for the PNG files.")
 
 KINDS = {"encoder": "self_attention", "decoder": "self_attention", "cross": "cross_attention"}
 
@@ -86,6 +83,13 @@ def plot(maps, src_tokens, tgt_tokens, out_dir: Path) -> list[Path]:
   return written
 
 
+def define_flags():
+  """Command-line flags; defined only when run as a command, so importing is side-effect free."""
+  flags.DEFINE_string("workdir", None, "Training workdir.")
+  flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
+  flags.DEFINE_string("out", None, "Directory for the PNG files.")
+
+
 def main(argv):
   FLAGS = flags.FLAGS
   try:
@@ -101,4 +105,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
