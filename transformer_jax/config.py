@@ -146,11 +146,11 @@ def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None
   """Raises ConfigError if a workdir's saved config describes another model (a resumed run
   must not restore, say, unscanned parameters into a scanned model)."""
   import json
-  saved = json.loads(saved_json).get("model", {})
-  current = config.model.to_dict()
+  saved_config = json.loads(saved_json)
+  saved, current = saved_config.get("model", {}), config.model.to_dict()
   changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
   fields = ("dataset", "tokenizer", "vocab_size")
-  changed += [k for k in fields if json.loads(saved_json).get(k) != config[k]]
+  changed += [k for k in fields if saved_config.get(k) != config[k]]
   _check(not changed, "the workdir's checkpoints are of another model: "
          + ", ".join(f"{'' if k in fields else 'model.'}{k}" for k in changed)
          + " differ from its config.json")

@@ -138,15 +138,13 @@ class Translator:
     return boxed  # Still boxed: the checkpointer turns the names into shardings.
 
   @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-  def _generate(self, params, src, max_len, beam_size, alpha):
+  def generate_ids(self, params, src, max_len, beam_size, alpha):
+    """src [B, S] -> best output tokens [B, max_len]; compiled once per shape and options."""
     return generate(self.model, params, src, max_len, beam_size, alpha)
 
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions()) -> list[str]:
     src = encode_sources(self.tokenizers.src, sentences, self.max_src_len)
     max_len = options.max_len or src.shape[1] + options.max_len_margin
-    tokens = np.asarray(self._generate(self.params, src, max_len, options.beam_size,
+    tokens = np.asarray(self.generate_ids(self.params, src, max_len, options.beam_size,
                                        options.alpha))
     return [self.tokenizers.tgt.decode(decode.strip(row)) for row in tokens]
-
-  def __hash__(self):  # jit's static self.
-    return id(self)

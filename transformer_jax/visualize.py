@@ -42,7 +42,7 @@ def attention_maps(translator: Translator, sentence: str):
   """
   src = encode_sources(translator.tokenizers.src, [sentence], translator.max_src_len)
   src = src[:, :int((src[0] > 0).sum())]  # No padding columns in the pictures.
-  out = np.asarray(translator._generate(translator.params, src, src.shape[1] + 10, 1, 0.0))[0]
+  out = np.asarray(translator.generate_ids(translator.params, src, src.shape[1] + 10, 1, 0.0))[0]
   tgt_out = decode.strip(out)
   tgt_in = np.array([[BOS] + tgt_out], np.int32)
   model = Transformer(dataclasses.replace(translator.model_config, attention_weights=True))

@@ -117,8 +117,3 @@ def eval_batches(examples, *, batch_size: int, max_len: int, process_index: int 
   rows += [empty] * (num_batches * local_batch - len(rows))
   return [{k: np.stack([r[k] for r in rows[i:i + local_batch]]) for k in rows[0]}
           for i in range(0, len(rows), local_batch)]
-
-
-def padding_fraction(batch: dict[str, np.ndarray]) -> float:
-  """Share of target positions that are padding."""
-  return float(np.mean(batch["targets_segment_ids"] == 0))
