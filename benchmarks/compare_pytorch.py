@@ -2,7 +2,7 @@
 
   pip install ".[bench]"   # torch (on the dev machine: the CPU build, torch==2.13.0)
   python benchmarks/compare_pytorch.py --config configs/fra_eng.py [--rows 48 --len 48]
-      [--rounds 4 --steps 5] [--json out.json]
+      [--rounds 4 --steps 5] [--set model.d_model=512 ...] [--json out.json]
 
 PyTorch side: `torch.nn.Transformer` (post-LN, ReLU, batch_first), embeddings shared between
 source and target and tied to the output projection, sinusoidal positions, label-smoothed
@@ -18,7 +18,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.decode import load_config  # noqa: E402
+from benchmarks.common import interleaved, load_config  # noqa: E402
 from benchmarks.train_step import synthetic_batch  # noqa: E402
 from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
@@ -102,9 +101,11 @@ def main():
   parser.add_argument("--len", type=int, default=0)
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="config override, e.g. --set model.d_model=512")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
-  config = load_config(args.config)
+  config = load_config(args.config, args.set)
   config.max_len = args.len or config.max_len
   rows = args.rows or config.batch_size
   vocab = config_lib.padded_vocab(config.vocab_size)
@@ -112,15 +113,7 @@ def main():
 
   steps = {"jax": jax_step_fn(config, vocab, batch)}
   steps["torch"], torch_version = torch_step_fn(config, vocab, batch)
-  for fn in steps.values():  # Compile / warm up.
-    fn(), fn()
-  times = {name: [] for name in steps}
-  for _ in range(args.rounds):  # A B A B: both see the same machine state.
-    for name, fn in steps.items():
-      for _ in range(args.steps):
-        start = time.perf_counter()
-        fn()
-        times[name].append(time.perf_counter() - start)
+  times = interleaved(steps, args.rounds, calls=args.steps)
   median = {name: statistics.median(t) for name, t in times.items()}
   tokens = rows * config.max_len
   print(f"device: {jax.devices()[0].device_kind} ({os.cpu_count()} cores), jax {jax.__version__},"

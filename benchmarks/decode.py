@@ -1,13 +1,15 @@
 """Decode speed: the cached scan decoder against a no-cache baseline, in one run.
 
   python benchmarks/decode.py [--config configs/fra_eng.py] [--workdir runs/fra_eng]
-      [--out_len 64] [--repeats 5] [--json benchmarks/decode.json]
+      [--out_len 64] [--repeats 10] [--json benchmarks/decode.json]
 
 With --workdir the trained parameters are restored; otherwise the config's model is randomly
 initialized (same sizes, same cost). Baseline: a Python loop calling a jitted full forward pass
 (encoder and decoder) on a fixed [batch, out_len] prefix buffer at every step, no cache. Ours:
-one jitted `lax.scan` (greedy) or `lax.while_loop` (beam search) with the KV cache. Output
-tokens per second count batch x out_len tokens (beam search: the best beam's, up to out_len).
+one jitted `lax.scan` (greedy) or `lax.while_loop` (beam search) with the KV cache. The
+decoders are timed round-robin (A B C A B C ...), so a busy machine slows all of them alike; the
+speedup is the ratio of medians. Output tokens per second count batch x out_len tokens (beam
+search: the best beam's, up to out_len).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,28 +31,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import interleaved, load_config  # noqa: E402
 from transformer_jax import config as config_lib, inference  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
-
-
-def load_config(path: str):
-  import importlib.util
-  name, _, arg = path.partition(":")
-  spec = importlib.util.spec_from_file_location("bench_config", name)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg or None)
-
-
-def timed(fn, repeats):
-  jax.block_until_ready(fn())  # Compile and warm up.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), min(times), max(times)
 
 
 def main():
@@ -61,7 +44,7 @@ def main():
   parser.add_argument("--out_len", type=int, default=64)
   parser.add_argument("--src_len", type=int, default=16)
   parser.add_argument("--batches", default="1,64")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
 
@@ -98,12 +81,14 @@ def main():
   for batch in [int(b) for b in args.batches.split(",")]:
     src = rng.integers(4, 1000, size=(batch, args.src_len)).astype(np.int32)
     src[:, -1] = 2
-    for name, fn in [("baseline greedy (no cache)", lambda: baseline(params, src)),
-                     ("cached scan greedy", lambda: ours(params, src, beam_size=1)),
-                     ("cached beam search, beam 4", lambda: ours(params, src, beam_size=4))]:
-      median, best, worst = timed(fn, args.repeats)
+    fns = {"baseline greedy (no cache)": lambda: baseline(params, src),
+           "cached scan greedy": lambda: ours(params, src, beam_size=1),
+           "cached beam search, beam 4": lambda: ours(params, src, beam_size=4)}
+    for name, times in interleaved(fns, args.repeats).items():
+      median = statistics.median(times)
       rows.append({"decoder": name, "batch": batch, "out_len": out_len, "median_s": median,
-                   "min_s": best, "max_s": worst, "tokens_per_s": batch * out_len / median})
+                   "min_s": min(times), "max_s": max(times),
+                   "tokens_per_s": batch * out_len / median})
   for batch in {r["batch"] for r in rows}:
     base = next(r for r in rows if r["batch"] == batch and r["decoder"].startswith("baseline"))
     for r in rows:

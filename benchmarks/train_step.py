@@ -13,7 +13,6 @@ device is known.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import platform
@@ -28,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.decode import load_config  # noqa: E402
+from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
 from transformer_jax.model import Transformer, TransformerConfig  # noqa: E402
 
@@ -157,14 +156,7 @@ def main():
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
 
-  config = load_config(args.config)
-  for item in args.set:
-    key, _, value = item.partition("=")
-    *path, leaf = key.split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    node[leaf] = ast.literal_eval(value) if value not in ("xla", "cudnn", "auto") else value
+  config = load_config(args.config, args.set)
   if args.max_len:
     config.max_len = args.max_len
   if args.batch_tokens:

@@ -125,13 +125,19 @@ class MultiHeadAttention(nn.Module):
       self.out_bias = self.param("out_bias", nn.with_logical_partitioning(
           nn.initializers.zeros, ("embed",)), (d,))
 
-  def project(self, name: str, x):
-    """x: [B, L, D] -> [B, L, N, H] through the `name` (query, key or value) projection."""
+  def project(self, x, *names: str):
+    """x: [B, L, D] -> one [B, L, N, H] array per name (query, key or value).
+
+    Separate einsums, not one over stacked kernels: inside a decoding loop XLA would copy the
+    stacked kernel at every step."""
     dt = self.cfg.compute_dtype
-    y = jnp.einsum("bld,dnh->blnh", x.astype(dt), getattr(self, f"{name}_kernel").astype(dt))
-    if self.cfg.attention_bias:
-      y = y + getattr(self, f"{name}_bias").astype(dt)
-    return nn.with_logical_constraint(y, ("batch", "length", "heads", "kv"))
+    out = []
+    for name in names:
+      y = jnp.einsum("bld,dnh->blnh", x.astype(dt), getattr(self, f"{name}_kernel").astype(dt))
+      if self.cfg.attention_bias:
+        y = y + getattr(self, f"{name}_bias").astype(dt)
+      out.append(nn.with_logical_constraint(y, ("batch", "length", "heads", "kv")))
+    return tuple(out)
 
   def attend(self, q, k, v, mask):
     """q: [B, T, N, H], k, v: [B, S, N, H], mask: [B or 1, 1, T, S] -> [B, T, D]."""
@@ -145,15 +151,18 @@ class MultiHeadAttention(nn.Module):
     else:
       out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.attention_impl)
     dt = cfg.compute_dtype
-    y = jnp.einsum("btnh,nhd->btd", out, self.out_kernel.astype(dt))  # [B, T, N, H] -> [B, T, D]
+    # [B, T, N, H] -> [B, T, D] as one 2-D contraction over N*H (no per-call kernel copy on CPU).
+    b, t, n, h = out.shape
+    y = jnp.einsum("btk,kd->btd", out.reshape(b, t, n * h),
+                   self.out_kernel.astype(dt).reshape(n * h, -1))
     if cfg.attention_bias:
       y = y + self.out_bias.astype(dt)
     return y
 
   def __call__(self, x_q, x_kv, mask):
     """x_q: [B, T, D], x_kv: [B, S, D], mask: [B, 1, T, S] -> [B, T, D]."""
-    return self.attend(self.project("query", x_q), self.project("key", x_kv),
-                       self.project("value", x_kv), mask)
+    (q,), (k, v) = self.project(x_q, "query"), self.project(x_kv, "key", "value")
+    return self.attend(q, k, v, mask)
 
 
 class FeedForward(nn.Module):
@@ -226,8 +235,7 @@ class DecoderBlock(nn.Module):
 
   def cross_kv(self, memory):
     """memory [B, S, D] -> cross-attention keys and values [B, S, N, H], once per source."""
-    return (self.cross_attention.project("key", memory),
-            self.cross_attention.project("value", memory))
+    return self.cross_attention.project(memory, "key", "value")
 
   def step(self, y, cache, index, cross_mask):
     """One decoding position: y [B, 1, D] -> ([B, 1, D], cache with this position's k, v).
@@ -238,17 +246,16 @@ class DecoderBlock(nn.Module):
     new = dict(cache)
 
     def self_attend(z):  # z: [B, 1, D]
-      for name in ("k", "v"):  # Write this position into the preallocated cache.
-        kv = self.self_attention.project("key" if name == "k" else "value", z)  # [B, 1, N, H]
+      q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B, 1, N, H] each
+      for name, kv in (("k", k), ("v", v)):  # Write this position into the preallocated cache.
         new[name] = lax.dynamic_update_slice(cache[name], kv.astype(cache[name].dtype),
                                              (0, index, 0, 0))
       filled = (jnp.arange(cache["k"].shape[1]) <= index)[None, None, None, :]  # [1, 1, 1, L]
-      return self.self_attention.attend(self.self_attention.project("query", z),
-                                        new["k"], new["v"], filled)
+      return self.self_attention.attend(q, new["k"], new["v"], filled)
 
     y = self.self_attention_sublayer(y, self_attend, True)
     y = self._cross_and_ffn(y, lambda z: self.cross_attention.attend(
-        self.cross_attention.project("query", z), cache["cross_k"], cache["cross_v"],
+        *self.cross_attention.project(z, "query"), cache["cross_k"], cache["cross_v"],
         cross_mask), True)
     return y, new
 
