@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax.model import Transformer, TransformerConfig, sinusoidal_positions
+from transformer_jax.model import (Transformer, TransformerConfig, sinusoidal_positions,
+                                   tied_logits)
 
 
 def _params(cfg, src, tgt):
@@ -152,3 +153,15 @@ def test_scanned_layers_give_the_unscanned_outputs(remat):
     logits, cache = step(tgt[:, t:t + 1], cache)
     real = np.asarray(tgt[:, t] != 0)
     np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(full[:, t])[real], atol=1e-5)
+
+
+def test_tied_logits_custom_gradient_equals_autodiff():
+  rng = np.random.default_rng(0)
+  y = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+  table = jnp.asarray(rng.standard_normal((13, 8)), jnp.float32)
+  weights = jnp.asarray(rng.standard_normal((2, 3, 13)), jnp.float32)
+  ours = lambda y, table: jnp.sum(jnp.tanh(tied_logits(y, table)) * weights)
+  plain = lambda y, table: jnp.sum(jnp.tanh(y @ table.T) * weights)
+  np.testing.assert_allclose(ours(y, table), plain(y, table), rtol=1e-6)
+  for got, want in zip(jax.grad(ours, (0, 1))(y, table), jax.grad(plain, (0, 1))(y, table)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -62,6 +62,28 @@ def test_cross_entropy_uses_integer_labels_and_ignores_padding():
   np.testing.assert_allclose(smoothed["loss_sum"], ref[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_gradient_equals_autodiff_of_the_one_hot_formula(label_smoothing):
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((3, 5, 11)).astype(np.float32) * 3
+  targets = rng.integers(0, 11, (3, 5))
+  weights = rng.integers(0, 2, (3, 5)).astype(np.float32)
+
+  def reference(logits):  # Dense one-hot targets, plain autodiff.
+    log_probs = jax.nn.log_softmax(logits)
+    q = (1 - label_smoothing) * jax.nn.one_hot(targets, 11) + label_smoothing / 11
+    smoothed = -(q * log_probs).sum(-1)
+    picked = -jax.numpy.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    return (smoothed * weights).sum() + 0.3 * (picked * weights).sum()
+
+  def ours(logits):
+    sums = train_lib.cross_entropy(logits, targets, weights, label_smoothing)
+    return sums["loss_sum"] + 0.3 * sums["nll_sum"]
+
+  np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(reference)(logits), atol=1e-6)
+
+
 def test_rsqrt_schedule_warms_up_then_decays():
   from configs import fra_eng
   c = fra_eng.get_config()

@@ -65,19 +65,48 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed:
   return state, shardings
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def token_losses(logits: jax.Array, targets: jax.Array, label_smoothing: float):
+  """Per-token smoothed loss and negative log-likelihood, [B, T] each, from integer labels.
+
+  The smoothed loss is the cross-entropy against (1 - label_smoothing) on the target plus
+  label_smoothing spread uniformly over the vocabulary; no [B, T, V] one-hot or log-probability
+  array is built. The custom backward pass writes the logits gradient, softmax minus the
+  smoothed target, in one elementwise pass over [B, T, V].
+  """
+  return _token_losses_fwd(logits, targets, label_smoothing)[0]
+
+
+def _token_losses_fwd(logits, targets, label_smoothing):
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+  nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  smoothed = (1.0 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(axis=-1))
+  return (smoothed, nll), (logits, targets, lse)
+
+
+def _token_losses_bwd(label_smoothing, residuals, cotangents):
+  logits, targets, lse = residuals
+  g_smoothed, g_nll = cotangents  # [B, T] each
+  probs = jnp.exp(logits - lse[..., None])
+  on_target = jnp.arange(logits.shape[-1]) == targets[..., None]  # [B, T, V], fused away
+  g_target = ((1.0 - label_smoothing) * g_smoothed + g_nll)[..., None]
+  d_logits = ((g_smoothed + g_nll)[..., None] * probs - jnp.where(on_target, g_target, 0.0)
+              - (label_smoothing / logits.shape[-1]) * g_smoothed[..., None])
+  return d_logits, None
+
+
+token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
                   label_smoothing: float = 0.0) -> dict[str, jax.Array]:
   """Sums of smoothed loss, plain negative log-likelihood and correct tokens over real tokens.
 
-  Integer labels: no [B, T, V] one-hot is built. The smoothed loss spreads `label_smoothing`
-  uniformly over the vocabulary.
-
   Args:
     logits: [B, T, V] float32. targets: [B, T] int. weights: [B, T], 0 on padding.
   """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))  # [B, T, V]
-  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]  # [B, T]
-  smoothed = (1.0 - label_smoothing) * nll - label_smoothing * log_probs.mean(axis=-1)
+  smoothed, nll = token_losses(logits, targets, label_smoothing)
   weights = weights.astype(jnp.float32)
   return {
       "loss_sum": jnp.sum(smoothed * weights),
