@@ -26,12 +26,14 @@ def load_config(path: str, overrides: list[str] = ()):
     *parents, leaf = key.split(".")
     node = config
     for part in parents:
-      node = node[part]
+      node = node[part] if part in node else {}
+    if leaf not in node:
+      raise ValueError(f"override {item!r}: the config has no field {key!r}")
     try:
       value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       value = text
-    node[leaf] = value  # ml_collections refuses an unknown field or a value of another type.
+    node[leaf] = value  # ml_collections refuses a value of another type.
   return config
 
 

@@ -123,7 +123,7 @@ def benchmark(config, batches, steps: int, warmup: int = 2) -> dict:
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - start)
   median, p90 = float(np.median(times)), float(np.percentile(times, 90))
-  mean = lambda key: float(np.mean([b[key].sum() for b in batches]))
+  mean = lambda key: float(np.mean([(b[key] > 0).sum() for b in batches]))  # real tokens
   flops = float(np.mean([model_flops(cfg, segment_lengths(b["inputs_segment_ids"]),
                                      segment_lengths(b["targets_segment_ids"]))
                          for b in batches]))

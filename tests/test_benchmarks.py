@@ -1,0 +1,51 @@
+"""The benchmark scripts' arithmetic and bookkeeping (no timing is asserted)."""
+
+import numpy as np
+import pytest
+
+from benchmarks import common, train_step
+from transformer_jax.model import TransformerConfig
+
+
+def test_model_flops_follows_the_documented_formula():
+  cfg = TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=4, num_heads=1,
+                          ffn_dim=8, num_encoder_layers=1, num_decoder_layers=1,
+                          share_embeddings=True, tie_output=True)
+  # One sentence, source 3 and target 2 tokens; benchmarks/README.md's terms by hand:
+  encoder = (8 * 16 + 4 * 4 * 8) * 3 + 4 * 4 * 9  # QKVO + FFN; scores and values
+  decoder = (12 * 16 + 4 * 4 * 8) * 2 + 4 * 16 * 3 + 2 * 4 * 4 + 4 * 4 * 6
+  output = 2 * 4 * 10 * 2
+  got = train_step.model_flops(cfg, np.array([3]), np.array([2]))
+  assert got == 3 * (encoder + decoder + output)
+  # Packed sentences attend only within themselves: two 2-token sentences cost less attention
+  # than one 4-token sentence, the same projections.
+  packed = train_step.model_flops(cfg, np.array([2, 2]), np.array([2, 2]))
+  single = train_step.model_flops(cfg, np.array([4]), np.array([4]))
+  assert packed < single
+
+
+def test_load_config_applies_overrides_and_rejects_unknown_fields():
+  config = common.load_config("configs/fra_eng.py", ["model.d_model=512", "batch_size=7",
+                                                     "model.attention_impl=xla"])
+  assert (config.model.d_model, config.batch_size, config.model.attention_impl) == (512, 7, "xla")
+  with pytest.raises(ValueError, match="no field 'model.no_such_field'"):
+    common.load_config("configs/fra_eng.py", ["model.no_such_field=1"])
+  with pytest.raises(TypeError):
+    common.load_config("configs/fra_eng.py", ["model.d_model='wide'"])
+  with pytest.raises(ValueError, match="FIELD=VALUE"):
+    common.load_config("configs/fra_eng.py", ["model.d_model"])
+
+
+def test_real_batches_count_real_tokens_packed_and_padded(smoke_config):
+  smoke_config.batch_size = 8
+  results = {}
+  for packing in (True, False):
+    batches = train_step.real_batches(smoke_config, 8, packing, count=2)
+    results[packing] = train_step.benchmark(smoke_config, batches, steps=2, warmup=1)
+  for r in results.values():
+    assert 0.0 <= r["padding_fraction"] < 1.0
+    assert r["real_tgt_tokens_per_s"] <= r["padded_tokens_per_s"]
+    assert r["model_flops_per_step"] > 0 and r["memory"]["temp_size_in_bytes"] > 0
+  # Packing fills rows: less padding, more sentences (so more useful FLOPs) a batch.
+  assert results[True]["padding_fraction"] < results[False]["padding_fraction"]
+  assert results[True]["model_flops_per_step"] > results[False]["model_flops_per_step"]
