@@ -165,3 +165,24 @@ def test_tied_logits_custom_gradient_equals_autodiff():
   np.testing.assert_allclose(ours(y, table), plain(y, table), rtol=1e-6)
   for got, want in zip(jax.grad(ours, (0, 1))(y, table), jax.grad(plain, (0, 1))(y, table)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_attention_picks_xla_off_gpu_and_keeps_an_explicit_choice():
+  from transformer_jax.config import attention_impl
+  expected = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  assert attention_impl("auto", "bfloat16", 64) == expected
+  assert attention_impl("auto", "float32", 64) == "xla"  # cuDNN's fused kernel: 16-bit only.
+  assert attention_impl("auto", "bfloat16", 12) == "xla"  # head dim not a multiple of 8
+  assert attention_impl("cudnn", "float32", 64) == "cudnn"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="cuDNN fused attention needs an NVIDIA GPU")
+def test_cudnn_attention_gives_the_xla_numbers_on_gpu():
+  cfg = tiny_model_config(dtype="bfloat16", d_model=64, num_heads=4)  # head dim 16
+  src = jnp.array([[5, 6, 7, 2, 0, 0, 0, 0]] * 2)
+  tgt = jnp.array([[1, 8, 9, 4, 0, 0, 0, 0]] * 2)
+  params = _params(cfg, src, tgt)
+  out = {impl: Transformer(dataclasses.replace(cfg, attention_impl=impl)).apply(
+      {"params": params}, src, tgt) for impl in ("xla", "cudnn")}
+  np.testing.assert_allclose(np.asarray(out["cudnn"]), np.asarray(out["xla"]), atol=5e-2)
