@@ -20,8 +20,8 @@ from absl import app, flags, logging
 from clu import periodic_actions
 from ml_collections import config_flags
 
-from transformer_jax import (checkpoint, config as config_lib, data, inference, sharding,
-                             train_lib, writers)
+from transformer_jax import (checkpoint, config as config_lib, inference, sharding, train_lib,
+                             writers)
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
 
@@ -45,7 +45,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
                     config.compilation_cache_dir or str(workdir / "jax_cache"))
   primary = jax.process_index() == 0
 
-  tokenizers, train_examples, eval_examples, eval_pairs = data.load_examples(config, workdir)
+  tokenizers, train_examples, eval_examples, eval_pairs = pipeline.load_examples(config, workdir)
   model = Transformer(config_lib.model_config(config, tokenizers.src.vocab_size,
                                               tokenizers.tgt.vocab_size))
   state, state_shardings = train_lib.create_train_state(

@@ -35,7 +35,10 @@ from transformer_jax.model import Transformer  # noqa: E402
 def torch_step_fn(config, vocab: int, batch):
   import torch
   from torch import nn
-  torch.set_num_threads(os.cpu_count())
+  # The same kind of device as ours: CUDA when JAX runs on a GPU, else the CPU's every core.
+  dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+  if dev == "cpu":
+    torch.set_num_threads(os.cpu_count())
   m = config.model
   d = m.d_model
 
@@ -55,26 +58,30 @@ def torch_step_fn(config, vocab: int, batch):
     def forward(self, src, tgt):
       x = self.drop(self.embed(src) * math.sqrt(d) + self.pe[:src.shape[1]])
       y = self.drop(self.embed(tgt) * math.sqrt(d) + self.pe[:tgt.shape[1]])
-      causal = self.core.generate_square_subsequent_mask(tgt.shape[1])
+      causal = self.core.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
       h = self.core(x, y, tgt_mask=causal, src_key_padding_mask=src == 0,
                     tgt_key_padding_mask=tgt == 0, memory_key_padding_mask=src == 0)
       return h @ self.embed.weight.T  # Tied output projection.
 
-  model = TorchTransformer()
+  model = TorchTransformer().to(dev)
   opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
   loss_fn = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.label_smoothing)
-  src, tgt_in, tgt = (torch.from_numpy(batch[k]).long()
+  src, tgt_in, tgt = (torch.from_numpy(batch[k]).long().to(dev)
                       for k in ("inputs", "decoder_inputs", "targets"))
+  # Ours in bfloat16 computes in bf16 with float32 parameters and a float32 loss: autocast.
+  bf16 = m.dtype == "bfloat16"
 
   def step():
     opt.zero_grad(set_to_none=True)
-    logits = model(src, tgt_in)
-    loss = loss_fn(logits.reshape(-1, vocab), tgt.reshape(-1))
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+      logits = model(src, tgt_in)
+    loss = loss_fn(logits.float().reshape(-1, vocab), tgt.reshape(-1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     opt.step()
     return loss.item()
-  return step, torch.__version__
+  name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+  return step, f"{torch.__version__} on {name}"
 
 
 def jax_step_fn(config, vocab: int, batch):
@@ -117,7 +124,7 @@ def main():
   median = {name: statistics.median(t) for name, t in times.items()}
   tokens = rows * config.max_len
   print(f"device: {jax.devices()[0].device_kind} ({os.cpu_count()} cores), jax {jax.__version__},"
-        f" torch {torch_version}; d_model {config.model.d_model}, "
+        f" torch {torch_version}; {config.model.dtype}, d_model {config.model.d_model}, "
         f"{config.model.num_encoder_layers}+{config.model.num_decoder_layers} layers, "
         f"FFN {config.model.ffn_dim}, {config.model.num_heads} heads, vocab {vocab}, "
         f"batch {rows} x {config.max_len} tokens a side")

@@ -49,3 +49,28 @@ def test_real_batches_count_real_tokens_packed_and_padded(smoke_config):
   # Packing fills rows: less padding, more sentences (so more useful FLOPs) a batch.
   assert results[True]["padding_fraction"] < results[False]["padding_fraction"]
   assert results[True]["model_flops_per_step"] > results[False]["model_flops_per_step"]
+
+
+def test_benchmarks_and_decoding_import_without_tfds_grain_or_clu():
+  """The accelerator machines lack tfds, grain and clu: the benchmarks and the translate command
+  must import without them (the data pipeline loads only for --real_data and training)."""
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  script = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split(".")[0] in {"tensorflow", "tensorflow_datasets", "grain", "clu"}:
+      raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
+import transformer_jax.translate, transformer_jax.visualize
+try:
+  import transformer_jax.data.pipeline
+except ImportError as e:
+  print(e)
+"""
+  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith("blocked: grain")  # The blocker works: the pipeline needs grain.

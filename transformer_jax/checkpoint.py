@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import flax.linen as nn
-import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -36,6 +35,7 @@ class Checkpointer:
 
   def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
     """Saves if `step` is on the interval (or `force`); returns whether it did."""
+    import grain  # Loaded by training only: restoring parameters to decode needs no grain.
     return self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(data_iterator)), force=force)
@@ -51,6 +51,7 @@ class Checkpointer:
                           state_like, state_shardings)
     items = {"state": ocp.args.StandardRestore(target)}
     if data_iterator is not None:
+      import grain
       items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items)).state
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import ml_collections
 
-from transformer_jax.data.sources import DATASETS
 from transformer_jax.model import TransformerConfig
 
 SCHEDULES = ("rsqrt", "cosine", "constant")
@@ -24,6 +23,7 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad field; compiles and reads nothing."""
+  from transformer_jax.data.sources import DATASETS  # tfds loads here, not on import.
   _check(config.dataset in DATASETS,
          f"dataset={config.dataset!r} is unknown; choose one of {sorted(DATASETS)}")
   if config.data_dir:

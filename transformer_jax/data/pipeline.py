@@ -3,18 +3,24 @@
 An example is three int32 arrays: `inputs` (source + <eos>), `decoder_inputs` (<bos> + target)
 and `targets` (target + <eos>). Every batch, packed or padded, has the same fixed shape
 [batch, max_len] and carries `*_segment_ids` (0 = padding) and `*_positions`, so the train
-step compiles once.
+step compiles once. `load_examples` goes from a config to tokenized examples of both splits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import grain
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data.tokenizer import BOS, EOS, Tokenizers
+from transformer_jax.data import sources
+from transformer_jax.data.tokenizer import BOS, EOS, Tokenizers, train_tokenizers
 
 FEATURES = ("inputs", "decoder_inputs", "targets")
 
@@ -117,3 +123,45 @@ def eval_batches(examples, *, batch_size: int, max_len: int, process_index: int 
   rows += [empty] * (num_batches * local_batch - len(rows))
   return [{k: np.stack([r[k] for r in rows[i:i + local_batch]]) for k in rows[0]}
           for i in range(0, len(rows), local_batch)]
+
+
+def load_examples(config: ml_collections.ConfigDict, workdir: str | Path):
+  """Prepares the dataset, fits (or reloads) the tokenizers, tokenizes both splits.
+
+  The tokenizers are saved into `workdir` on first use and reloaded afterwards, so a resumed
+  run and the decoder see exactly the same vocabulary.
+
+  Returns:
+    (tokenizers, train examples, eval examples, eval sentence pairs)
+  """
+  tfds_dir = config.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
+
+  def load():
+    builder = sources.prepare(config.dataset, tfds_dir, config.data_dir or None)
+    return (sources.pairs(builder, config.dataset, config.train_split),
+            sources.pairs(builder, config.dataset, config.eval_split), Tokenizers.load(workdir))
+
+  # With several hosts, the first prepares the data and fits the tokenizer, the others then
+  # read both (the workdir and tfds_dir are on a shared filesystem).
+  if jax.process_index() == 0:
+    train_pairs, eval_pairs, tokenizers = load()
+    if tokenizers is None:
+      logging.info("Fitting a %s tokenizer on %d training pairs", config.tokenizer,
+                   len(train_pairs))
+      tokenizers = train_tokenizers(train_pairs, config.tokenizer, config.vocab_size)
+      tokenizers.save(workdir)
+    else:
+      logging.info("Reusing the tokenizer saved in %s", workdir)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("data prepared")
+    if jax.process_index() > 0:
+      train_pairs, eval_pairs, tokenizers = load()
+  out = [tokenizers]
+  for split, pairs in ((config.train_split, train_pairs), (config.eval_split, eval_pairs)):
+    examples, stats = tokenize(pairs, tokenizers, config.max_len, config.overlong)
+    log_stats(split, stats, config.max_len)
+    if not examples:
+      raise ValueError(f"{config.dataset} split {split!r} has no pair within max_len="
+                       f"{config.max_len}")
+    out.append(examples)
+  return (*out, eval_pairs)

@@ -1,0 +1,88 @@
+"""Where a train step's time goes: the most expensive kernels of a few profiled steps.
+
+  python benchmarks/profile_step.py --config configs/wmt14_base.py [--steps 3] [--top 30]
+      [--set FIELD=VALUE ...] [--trace_dir DIR]
+
+Compiles the library's own train step on a synthetic batch (as train_step.py does), records
+`--steps` steps with `jax.profiler.trace`, and prints, per device in the trace, the kernels (or
+XLA CPU thunks) that took the most time a step, with their share of the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from benchmarks.common import load_config  # noqa: E402
+from benchmarks.train_step import synthetic_batch  # noqa: E402
+from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
+from transformer_jax.model import Transformer  # noqa: E402
+
+
+def kernel_times(trace_file: Path) -> dict[str, collections.Counter]:
+  """A perfetto trace -> {process name: Counter(event name -> total microseconds)}."""
+  events = json.load(gzip.open(trace_file))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  totals = collections.defaultdict(collections.Counter)
+  for e in events:
+    if e.get("ph") == "X":
+      totals[names.get(e["pid"], str(e["pid"]))][e["name"]] += e.get("dur", 0)
+  return totals
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/fra_eng.py")
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--top", type=int, default=30)
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+  parser.add_argument("--trace_dir", default=None, help="keep the trace here (default: a temp dir)")
+  args = parser.parse_args()
+
+  config = load_config(args.config, args.set)
+  mesh = sharding.make_mesh(config.mesh_shape)
+  cfg = config_lib.model_config(config, config.vocab_size, config.vocab_size)
+  state, shardings = train_lib.create_train_state(
+      Transformer(cfg), train_lib.make_optimizer(config), 0, mesh, config.max_len)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, config.label_smoothing)
+  trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
+  with sharding.mesh_context(mesh):
+    batch = sharding.global_batch(
+        synthetic_batch(config.batch_size, config.max_len, config.vocab_size), mesh)
+    for _ in range(2):  # Compile and warm up outside the trace.
+      state, metrics = p_train(state, batch)
+    jax.block_until_ready(metrics)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(args.steps):
+        state, metrics = p_train(state, batch)
+        jax.block_until_ready(metrics)
+  trace_file = next(Path(trace_dir).rglob("*perfetto_trace.json.gz"))
+
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {args.config} "
+        f"{' '.join(args.set)}; d_model {cfg.d_model}, {config.batch_size} x {config.max_len} "
+        f"tokens a side, {cfg.dtype}, attention {cfg.attention_impl}; trace in {trace_dir}")
+  timelines = kernel_times(trace_file)
+  # On an accelerator, only the device's own timelines (the host's hold Python and launches).
+  devices = {p: t for p, t in timelines.items() if "GPU" in p or "TPU" in p}
+  for process, totals in (devices or timelines).items():
+    total = sum(totals.values())
+    print(f"--- {process}: {total / args.steps / 1e3:.2f} ms of events a step")
+    for name, micros in totals.most_common(args.top):
+      print(f"{micros / args.steps / 1e3:9.3f} ms {micros / total:6.1%}  {name[:110]}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU rows of benchmarks/README.md in one go, for one short lease of a GPU machine:
+#   benchmarks/run_gpu.sh OUT_DIR [PART]
+# PART 1: the GPU-only tests (cuDNN == XLA attention), then train_step.py at the paper's base and
+#         big sizes in bfloat16 with cuDNN attention (attention_impl=auto).
+# PART 2: the cuDNN test again, base size with the unsafe_rbg PRNG (dropout masks), the two sizes
+#         with XLA attention, PyTorch side by side at base size, decode speed.
+# Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
+# next one still runs; the script's exit status is the number of failures.
+set -uo pipefail
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [1|2]}
+part=${2:-1}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+py=${PYTHON:-python3}
+failures=0
+
+step() {  # step NAME SECONDS COMMAND...: runs one command under a time limit, logs its output.
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "=== $name FAILED (exit $rc)"; failures=$((failures + 1)); }
+}
+
+base=(--config configs/wmt14_base.py --steps 50)  # 96 rows x 256 tokens a side, bfloat16
+big=(--config configs/wmt14_big.py --steps 50)
+if [ "$part" = 1 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
+          'optax', optax.__version__, jax.devices())"
+  step tests 240 $py -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_decode.py
+  step base_cudnn 200 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_cudnn.json"
+  step big_cudnn 200 $py benchmarks/train_step.py "${big[@]}" --json "$out/big_cudnn.json"
+else
+  step cudnn_test 120 $py -m pytest -q -s -p no:cacheprovider tests/test_model.py -k cudnn
+  step base_cudnn_rbg 150 env JAX_DEFAULT_PRNG_IMPL=unsafe_rbg $py benchmarks/train_step.py \
+      "${base[@]}" --json "$out/base_cudnn_rbg.json"
+  step base_xla 150 $py benchmarks/train_step.py "${base[@]}" --set model.attention_impl=xla \
+      --json "$out/base_xla.json"
+  step big_xla 150 $py benchmarks/train_step.py "${big[@]}" --set model.attention_impl=xla \
+      --json "$out/big_xla.json"
+  # Both frameworks share the card: JAX allocates as it goes instead of taking 75% up front.
+  step compare_base 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py benchmarks/compare_pytorch.py \
+      --config configs/wmt14_base.py --json "$out/compare_base.json"
+  step decode 120 $py benchmarks/decode.py --config configs/fra_eng.py --out_len 64 \
+      --json "$out/decode.json"
+fi
+echo "=== failures: $failures"
+exit "$failures"
