@@ -4,10 +4,11 @@
       [--steps 20] [--real_data --data_dir ../shared/data/fra-eng] [--json out.json]
 
 Prints a table and optionally writes JSON: device, compile time, the ahead-of-time memory
-report, median and p90 step time, tokens/s (real tokens only, and with padding), model FLOPs
-per step (formula in benchmarks/README.md), achieved FLOP/s, and utilisation against a large
-matrix product timed on the same device in the same run and against the vendor's peak where the
-device is known.
+report, median and p90 step time (a wait after each step) and the pipelined step time (steps
+queued back to back, as the training loop runs them), tokens/s (real tokens only, and with
+padding), model FLOPs per step (formula in benchmarks/README.md), achieved FLOP/s, and
+utilisation against a large matrix product timed on the same device in the same run and against
+the vendor's peak where the device is known.
 """
 
 from __future__ import annotations

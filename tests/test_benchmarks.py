@@ -1,9 +1,15 @@
 """The benchmark scripts' arithmetic and bookkeeping (no timing is asserted)."""
 
+import gzip
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from benchmarks import common, train_step
+from benchmarks import common, profile_step, train_step
+from tests.conftest import ROOT
 from transformer_jax.model import TransformerConfig
 
 
@@ -46,6 +52,7 @@ def test_real_batches_count_real_tokens_packed_and_padded(smoke_config):
     assert 0.0 <= r["padding_fraction"] < 1.0
     assert r["real_tgt_tokens_per_s"] <= r["padded_tokens_per_s"]
     assert r["model_flops_per_step"] > 0 and r["memory"]["temp_size_in_bytes"] > 0
+    assert r["pipelined_step_s"] > 0
   # Packing fills rows: less padding, more sentences (so more useful FLOPs) a batch.
   assert results[True]["padding_fraction"] < results[False]["padding_fraction"]
   assert results[True]["model_flops_per_step"] > results[False]["model_flops_per_step"]
@@ -54,9 +61,6 @@ def test_real_batches_count_real_tokens_packed_and_padded(smoke_config):
 def test_benchmarks_and_decoding_import_without_tfds_grain_or_clu():
   """The accelerator machines lack tfds, grain and clu: the benchmarks and the translate command
   must import without them (the data pipeline loads only for --real_data and training)."""
-  import subprocess
-  import sys
-  from tests.conftest import ROOT
   script = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -65,6 +69,7 @@ class Block(importlib.abc.MetaPathFinder):
       raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
+import benchmarks.profile_step
 import transformer_jax.translate, transformer_jax.visualize
 try:
   import transformer_jax.data.pipeline
@@ -74,3 +79,18 @@ except ImportError as e:
   out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("blocked: grain")  # The blocker works: the pipeline needs grain.
+
+
+def test_profile_sums_each_kernel_per_device_timeline(tmp_path):
+  events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 1, "name": "gemm", "dur": 5},
+            {"ph": "X", "pid": 1, "name": "gemm", "dur": 7},
+            {"ph": "X", "pid": 1, "name": "softmax", "dur": 2},
+            {"ph": "X", "pid": 2, "name": "gemm", "dur": 100},
+            {"ph": "i", "pid": 1, "name": "marker"}]
+  trace = tmp_path / "t.perfetto_trace.json.gz"
+  with gzip.open(trace, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  got = profile_step.kernel_times(trace)
+  assert got == {"/device:GPU:0": {"gemm": 12, "softmax": 2}, "/host:CPU": {"gemm": 100}}
