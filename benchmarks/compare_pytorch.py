@@ -24,12 +24,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks.common import interleaved, load_config  # noqa: E402
-from benchmarks.train_step import synthetic_batch  # noqa: E402
-from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
-from transformer_jax.model import Transformer  # noqa: E402
+from benchmarks.train_step import synthetic_batch, train_setup  # noqa: E402
+from transformer_jax import config as config_lib, sharding  # noqa: E402
 
 
 def torch_step_fn(config, vocab: int, batch):
@@ -84,12 +82,8 @@ def torch_step_fn(config, vocab: int, batch):
   return step, f"{torch.__version__} on {name}"
 
 
-def jax_step_fn(config, vocab: int, batch):
-  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
-  model = Transformer(config_lib.model_config(config, vocab, vocab))
-  state, shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(config), 0, mesh, config.max_len)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, config.label_smoothing)
+def jax_step_fn(config, batch):
+  _, mesh, state, p_train = train_setup(config, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
   holder = {"state": state}
   with sharding.mesh_context(mesh):
     gbatch = sharding.global_batch(batch, mesh)
@@ -118,7 +112,7 @@ def main():
   vocab = config_lib.padded_vocab(config.vocab_size)
   batch = synthetic_batch(rows, config.max_len, vocab)
 
-  steps = {"jax": jax_step_fn(config, vocab, batch)}
+  steps = {"jax": jax_step_fn(config, batch)}
   steps["torch"], torch_version = torch_step_fn(config, vocab, batch)
   times = interleaved(steps, args.rounds, calls=args.steps)
   median = {name: statistics.median(t) for name, t in times.items()}

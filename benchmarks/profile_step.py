@@ -5,7 +5,8 @@
 
 Compiles the library's own train step on a synthetic batch (as train_step.py does), records
 `--steps` steps with `jax.profiler.trace`, and prints, per device in the trace, the kernels (or
-XLA CPU thunks) that took the most time a step, with their share of the total.
+XLA CPU thunks) that took the most time a step, with their share of the total. On a CPU the
+host timeline also holds the executor's spans around the thunks, so its shares overlap.
 """
 
 from __future__ import annotations
@@ -25,20 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
-from benchmarks.train_step import synthetic_batch  # noqa: E402
-from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
-from transformer_jax.model import Transformer  # noqa: E402
+from benchmarks.train_step import synthetic_batch, train_setup  # noqa: E402
+from transformer_jax import sharding  # noqa: E402
 
 
 def kernel_times(trace_file: Path) -> dict[str, collections.Counter]:
-  """A perfetto trace -> {process name: Counter(event name -> total microseconds)}."""
+  """A perfetto trace -> {process name: Counter(event name -> total microseconds)}, without the
+  Python tracer's events (names starting with `$`), which nest over the work they wait for."""
   events = json.load(gzip.open(trace_file))
   events = events["traceEvents"] if isinstance(events, dict) else events
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   totals = collections.defaultdict(collections.Counter)
   for e in events:
-    if e.get("ph") == "X":
+    if e.get("ph") == "X" and not e["name"].startswith("$"):
       totals[names.get(e["pid"], str(e["pid"]))][e["name"]] += e.get("dur", 0)
   return totals
 
@@ -53,11 +54,7 @@ def main():
   args = parser.parse_args()
 
   config = load_config(args.config, args.set)
-  mesh = sharding.make_mesh(config.mesh_shape)
-  cfg = config_lib.model_config(config, config.vocab_size, config.vocab_size)
-  state, shardings = train_lib.create_train_state(
-      Transformer(cfg), train_lib.make_optimizer(config), 0, mesh, config.max_len)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, config.label_smoothing)
+  cfg, mesh, state, p_train = train_setup(config)
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(

@@ -88,6 +88,7 @@ def test_profile_sums_each_kernel_per_device_timeline(tmp_path):
             {"ph": "X", "pid": 1, "name": "gemm", "dur": 7},
             {"ph": "X", "pid": 1, "name": "softmax", "dur": 2},
             {"ph": "X", "pid": 2, "name": "gemm", "dur": 100},
+            {"ph": "X", "pid": 2, "name": "$profiler.py:271 stop_trace", "dur": 500},
             {"ph": "i", "pid": 1, "name": "marker"}]
   trace = tmp_path / "t.perfetto_trace.json.gz"
   with gzip.open(trace, "wt") as f:
