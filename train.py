@@ -17,7 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags, logging
-from clu import periodic_actions
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from transformer_jax import (checkpoint, config as config_lib, inference, sharding, train_lib,
@@ -43,20 +43,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   jax.config.update("jax_compilation_cache_dir",
                     config.compilation_cache_dir or str(workdir / "jax_cache"))
-  primary = jax.process_index() == 0
+  primary, hosts = jax.process_index() == 0, jax.process_count()
 
-  tokenizers, train_examples, eval_examples, eval_pairs = pipeline.load_examples(config, workdir)
-  model = Transformer(config_lib.model_config(config, tokenizers.src.vocab_size,
-                                              tokenizers.tgt.vocab_size))
+  data_cfg = config_lib.data_config(config)
+  data = pipeline.prepare(
+      data_cfg, workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=primary,
+      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
+  model = Transformer(config_lib.model_config(config, data.tokenizers.src.vocab_size,
+                                              data.tokenizers.tgt.vocab_size))
+  opt_cfg = config_lib.optimizer_config(config)
   state, state_shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(config), config.seed, mesh, config.max_len)
-  train_iter = iter(pipeline.train_dataset(
-      train_examples, batch_size=config.batch_size, max_len=config.max_len, seed=config.seed,
-      packing=config.packing, process_index=jax.process_index(),
-      process_count=jax.process_count()))
+      model, train_lib.make_optimizer(opt_cfg), config.seed, mesh, config.max_len)
+  stream = pipeline.TrainStream(
+      data.train, batch_size=config.batch_size, max_len=config.max_len, overlong=config.overlong,
+      seed=config.seed, packing_=config.packing, num_workers=data_cfg.num_workers,
+      process_index=jax.process_index(), process_count=hosts)
+  pipeline.log_selection(config.train_split, stream.selection, config.max_len)
   eval_data = pipeline.eval_batches(
-      eval_examples, batch_size=config.eval_batch_size, max_len=config.max_len,
-      process_index=jax.process_index(), process_count=jax.process_count())
+      data.eval, batch_size=config.eval_batch_size, max_len=config.max_len,
+      overlong=config.overlong, process_index=jax.process_index(), process_count=hosts)
   if config.num_eval_batches > 0:
     eval_data = eval_data[:config.num_eval_batches]
 
@@ -65,52 +70,51 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   start = ckpt.latest_step() or 0
   if start:
     logging.info("Resuming from the checkpoint of step %d in %s", start, ckpt.directory)
-    state = ckpt.restore(start, state, state_shardings, train_iter)
+    state, data_state = ckpt.restore(start, state, state_shardings)
+    stream.set_state(data_state)
   else:
     logging.info("No checkpoint in %s: starting from scratch", ckpt.directory)
 
   writer = writers.create(workdir, primary)
   if start == 0:
     writer.write_hparams(config.to_dict())
-  report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
-  schedule = train_lib.learning_rate_schedule(config)
+  progress = writers.Progress(config.num_steps, start)
+  schedule = train_lib.learning_rate_schedule(opt_cfg)
   p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing)
-  # BLEU on a fixed sample spread over the eval split (which is in corpus order).
-  stride = max(1, len(eval_pairs) // max(config.num_bleu_sentences, 1))
-  bleu_pairs = eval_pairs[::stride][:config.num_bleu_sentences]
-  bleu_eval = bleu_pairs and inference.BleuEval(model, tokenizers, bleu_pairs, config.max_len,
-                                                config.eval_batch_size)
+  bleu_eval = data.bleu_pairs and inference.BleuEval(
+      model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
+  batches = pipeline.Prefetched(stream, lambda b: sharding.global_batch(b, mesh))
+  capacity = config.batch_size * config.max_len
 
   try:
     with sharding.mesh_context(mesh):
-      history, tick = [], time.perf_counter()
+      history = []
       for step in range(start + 1, config.num_steps + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-          local = next(train_iter)
-          state, metrics = p_train(state, sharding.global_batch(local, mesh))
-          history.append(metrics)
-        report(step)
+          state, metrics = p_train(state, next(batches))
+          history.append(metrics)  # Device arrays: read only when logged, no sync per step.
         if step % config.log_every == 0 or step == config.num_steps:
           summary = {k: float(np.mean([m[k] for m in history])) for k in history[0]}
-          summary.update(
-              tokens_per_sec=summary["tokens"] * len(history) / (time.perf_counter() - tick),
-              learning_rate=float(schedule(step - 1)))
-          writer.write_scalars(step, {f"train/{k}": v for k, v in summary.items()})
-          history, tick = [], time.perf_counter()
+          rate = progress.report(step)
+          summary.update(tokens_per_sec=summary["tokens"] * len(history) / rate["seconds"],
+                         padding_fraction=1.0 - summary["tokens"] / capacity,
+                         learning_rate=float(schedule(step - 1)))
+          writer.write_scalars(step, {"steps_per_sec": rate["steps_per_sec"],
+                                      **{f"train/{k}": v for k, v in summary.items()}})
+          history = []
         if step % config.eval_every == 0 or step == config.num_steps:
           eval_start = time.perf_counter()
-          with report.timed("eval"):
-            result = train_lib.summarize_eval(
-                [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
+          result = train_lib.summarize_eval(
+              [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
           if bleu_eval:
-            with report.timed("bleu"):
-              result["bleu"], examples = bleu_eval(state.params)
+            result["bleu"], examples = bleu_eval(state.params)
             writer.write_texts(step, {"eval/examples": "\n".join(examples)})
           writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
-          tick += time.perf_counter() - eval_start  # Training throughput excludes evaluation.
+          progress.exclude(time.perf_counter() - eval_start)  # Throughput excludes evaluation.
         if step % config.checkpoint_every == 0 or step == config.num_steps:
-          ckpt.save(step, state, train_iter, force=True)
+          ckpt.save(step, state, batches.state, force=True)
   finally:  # Also on an error: finish the checkpoint being written, flush the logs.
+    stream.close()
     writer.flush()
     ckpt.close()
   return state

@@ -72,13 +72,13 @@ import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
 import benchmarks.profile_step
 import transformer_jax.translate, transformer_jax.visualize
 try:
-  import transformer_jax.data.pipeline
+  import transformer_jax.data.sources
 except ImportError as e:
   print(e)
 """
   out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
-  assert out.stdout.startswith("blocked: grain")  # The blocker works: the pipeline needs grain.
+  assert out.stdout.startswith("blocked: tensorflow_datasets")  # The blocker works.
 
 
 def test_profile_sums_each_kernel_per_device_timeline(tmp_path):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import DATA
-from transformer_jax.data import builders, pipeline, sources
+from transformer_jax.data import builders, packing, pipeline, sources, token_cache
 from transformer_jax.data.tokenizer import BOS, EOS, Tokenizers, WordVocab, train_tokenizers
 
 
@@ -58,70 +58,184 @@ def test_tokenizers_round_trip_through_the_workdir(tmp_path):
     Tokenizers.load(tmp_path)
 
 
-def _examples(n=200, seed=0):
+class ListPairs:
+  """In-memory stand-in for sources.TextPairs (same read interface), for small exact cases."""
+
+  def __init__(self, pairs, split="train"):
+    self.pairs, self.split = pairs, split
+
+  def __len__(self):
+    return len(self.pairs)
+
+  def read(self, indices):
+    chosen = [self.pairs[i] for i in indices]
+    return [p[0] for p in chosen], [p[1] for p in chosen]
+
+
+def _random_pairs(n=200, seed=0, longest=12):
   rng = np.random.default_rng(seed)
-  pairs = [(" ".join(["a"] * rng.integers(1, 12)), " ".join(["b"] * rng.integers(1, 12)))
-           for _ in range(n)]
-  tok = Tokenizers(WordVocab.train(["a"] * 2), WordVocab.train(["b"] * 2))
-  return pipeline.tokenize(pairs, tok, max_len=8)
+  return [(" ".join(["a"] * rng.integers(1, longest)), " ".join(["b"] * rng.integers(1, longest)))
+          for _ in range(n)]
 
 
-def test_overlong_pairs_are_counted():
-  examples, stats = _examples()
-  assert stats.total == 200 and stats.kept == len(examples)
-  assert stats.dropped == 200 - stats.kept > 0
-  ex = examples[0]
-  assert ex["inputs"][-1] == EOS and ex["targets"][-1] == EOS
-  assert ex["decoder_inputs"][0] == BOS
-  np.testing.assert_array_equal(ex["decoder_inputs"][1:], ex["targets"][:-1])
+def _cache(tmp_path, pairs, workers=0, name="c"):
+  """A real token cache of `pairs` under a word tokenizer (one token per word)."""
+  tok = Tokenizers(WordVocab.train(["a a b b"]), WordVocab.train(["a a b b"]))
+  return token_cache.build(tmp_path / name, ListPairs(pairs), tok, "fp", num_workers=workers,
+                           chunk_size=16)
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_train_batches_have_one_shape_and_resume_from_state(packing):
-  examples, _ = _examples()
-  ds = pipeline.train_dataset(examples, batch_size=4, max_len=8, seed=3, packing=packing)
-  it = iter(ds)
-  for _ in range(3):
-    batch = next(it)
-  assert {k: v.shape for k, v in batch.items()} == {k: (4, 8) for k in batch}
-  assert set(batch) == {"inputs", "decoder_inputs", "targets", "inputs_segment_ids",
-                        "inputs_positions", "targets_segment_ids", "targets_positions"}
-  state = it.get_state()
-  expected = [next(it) for _ in range(5)]
-  it2 = iter(ds)
-  it2.set_state(state)
-  for want in expected:
-    got = next(it2)
-    for k in want:
-      np.testing.assert_array_equal(got[k], want[k])
-  # Packed rows hold several sentences, positions restart in each.
-  if packing:
-    seg, pos = expected[0]["targets_segment_ids"], expected[0]["targets_positions"]
-    assert seg.max() > 1
-    starts = (seg > 0) & (np.diff(seg, prepend=0, axis=1) != 0)
-    assert (pos[starts] == 0).all()
+def _stream(cache, **kw):
+  args = dict(batch_size=4, max_len=8, overlong="drop", seed=3)
+  args.update(kw)
+  return pipeline.TrainStream(cache, **args)
 
 
-def test_hosts_read_disjoint_shards():
-  examples, _ = _examples()
-  rows = []
-  for host in range(2):
-    ds = pipeline.train_dataset(examples, batch_size=4, max_len=8, seed=0, packing=False,
-                                process_index=host, process_count=2)
-    batch = next(iter(ds))
-    assert batch["inputs"].shape == (2, 8)
-    rows.append({tuple(r) for r in batch["inputs"]})
-  # Examples are random-length runs of one token, so equal rows mean equal lengths only;
-  # instead check the shards directly.
-  shard0 = {id(e) for e in examples[0::2]}
-  assert not shard0 & {id(e) for e in examples[1::2]}
+def test_token_cache_holds_every_pair_and_refuses_another_tokenizer(tmp_path):
+  pairs = _random_pairs(50) + [("", "b")]
+  cache = _cache(tmp_path, pairs)
+  assert cache.num_pairs == 51
+  for i, (src, tgt) in enumerate(pairs):
+    assert len(cache.ids("src", i)) == len(src.split())
+    assert list(cache.ids("tgt", i)) == [5] * len(tgt.split())  # <pad> <bos> <eos> <unk> a b
+  again = _cache(tmp_path, [("x", "y")])  # Finished caches are reused, not rebuilt.
+  assert again.num_pairs == 51
+  tok = Tokenizers(WordVocab.train(["a a"]), WordVocab.train(["b b"]))
+  with pytest.raises(ValueError, match="another tokenizer"):
+    token_cache.build(tmp_path / "c", ListPairs(pairs), tok, "other", num_workers=0)
+  assert not list(tmp_path.glob("*.tmp-*"))  # No half-written cache left behind.
 
 
-def test_eval_batches_cover_every_example_once():
-  examples, _ = _examples()
-  batches = pipeline.eval_batches(examples, batch_size=16, max_len=8)
-  assert all(b["inputs"].shape == (16, 8) for b in batches)
-  real_rows = sum(int((b["targets_segment_ids"].sum(1) > 0).sum()) for b in batches)
-  assert real_rows == len(examples)
-  tokens = sum(int(b["targets_segment_ids"].sum()) for b in batches)
-  assert tokens == sum(len(e["targets"]) for e in examples)
+def test_cache_built_by_two_workers_equals_the_in_process_one(tmp_path):
+  pairs = _random_pairs(600, seed=1)  # 38 chunks of 16: enough to start workers.
+  one, two = _cache(tmp_path, pairs, 0, "one"), _cache(tmp_path, pairs, 2, "two")
+  for side in token_cache.SIDES:
+    np.testing.assert_array_equal(one.tokens(side), two.tokens(side))
+    np.testing.assert_array_equal(one.offsets(side), two.offsets(side))
+
+
+def test_overlong_and_empty_pairs_are_counted(tmp_path):
+  cache = _cache(tmp_path, _random_pairs() + [("", "b")])
+  drop = packing.select(cache, max_len=8, overlong="drop")
+  lengths = np.maximum(cache.lengths("src"), cache.lengths("tgt"))
+  assert drop.total == 201 and drop.dropped == int((lengths + 1 > 8).sum()) + 1 > 1
+  assert len(drop.ids) == 201 - drop.dropped and drop.truncated == 0
+  cut = packing.select(cache, max_len=8, overlong="truncate")
+  assert cut.dropped == 1 and cut.truncated == drop.dropped - 1
+  assert cut.src_len.max() == cut.tgt_len.max() == 7
+
+
+def test_first_fit_places_every_pair_once_within_the_rows():
+  rng = np.random.default_rng(0)
+  src, tgt = rng.integers(1, 30, 500), rng.integers(1, 30, 500)
+  plans = packing.first_fit(src, tgt, rows=6, max_len=32)
+  placed = np.concatenate([p.example for p in plans])
+  assert sorted(placed.tolist()) == list(range(500))
+  for p in plans:
+    for row in range(6):
+      mine = p.row == row
+      # Pairs in a row follow each other without overlap, within max_len, on both sides.
+      for offsets, lens in ((p.src_offset, src), (p.tgt_offset, tgt)):
+        ends = offsets[mine] + lens[p.example[mine]]
+        assert ends.max(initial=0) <= 32
+        np.testing.assert_array_equal(offsets[mine][1:], ends[:-1])
+  fill = tgt.sum() / (len(plans) * 6 * 32)
+  assert fill > 0.8  # Pairs of up to 30 tokens in rows of 32 leave some room.
+  with pytest.raises(ValueError, match="lengths must lie"):
+    packing.first_fit(np.array([33]), np.array([3]), rows=2, max_len=32)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_batches_have_one_shape_and_rebuild_the_pairs(tmp_path, packed):
+  pairs = _random_pairs()
+  cache = _cache(tmp_path, pairs)
+  stream = _stream(cache, packing_=packed)
+  seen, shared_rows = [], 0
+  for _ in range(60):  # Over an epoch of the ~150 kept pairs.
+    batch = next(stream)
+    assert {k: v.shape for k, v in batch.items()} == {k: (4, 8) for k in packing.FEATURES}
+    shared_rows += int((batch["targets_segment_ids"].max(1) > 1).sum())
+    for r in range(4):
+      seg = batch["targets_segment_ids"][r]
+      for s in range(1, seg.max() + 1):
+        src = batch["inputs"][r][batch["inputs_segment_ids"][r] == s]
+        tgt = batch["targets"][r][seg == s]
+        dec = batch["decoder_inputs"][r][seg == s]
+        assert src[-1] == tgt[-1] == EOS and dec[0] == BOS
+        np.testing.assert_array_equal(dec[1:], tgt[:-1])
+        np.testing.assert_array_equal(batch["targets_positions"][r][seg == s],
+                                      np.arange(len(tgt)))
+        seen.append((len(src) - 1, len(tgt) - 1))
+  stream.close()
+  kept = [(len(a.split()), len(b.split())) for a, b in pairs
+          if max(len(a.split()), len(b.split())) + 1 <= 8]
+  first_epoch = seen[:len(kept)]
+  assert sorted(first_epoch) == sorted(kept)  # Each kept pair once per epoch.
+  assert (shared_rows > 0) == packed  # Packed rows hold several pairs; padded rows one.
+
+
+def test_stream_resumes_from_its_state_with_any_worker_count(tmp_path):
+  cache = _cache(tmp_path, _random_pairs(400, seed=2))
+  stream = _stream(cache)
+  for _ in range(37):
+    next(stream)
+  state = stream.get_state()
+  expected = [next(stream) for _ in range(70)]  # Crosses blocks and an epoch.
+  stream.close()
+  for workers in (0, 2):
+    resumed = _stream(cache, num_workers=workers)
+    resumed.set_state(state)
+    for want in expected:
+      got = next(resumed)
+      for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    resumed.close()
+
+
+def test_hosts_together_see_the_single_host_batches(tmp_path):
+  cache = _cache(tmp_path, _random_pairs(300, seed=4))
+  single = _stream(cache)
+  hosts = [_stream(cache, process_index=i, process_count=2) for i in range(2)]
+  for _ in range(40):
+    whole = next(single)
+    parts = [next(h) for h in hosts]
+    assert parts[0]["inputs"].shape == (2, 8)
+    for k in whole:
+      np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), whole[k])
+  assert hosts[0].get_state() == hosts[1].get_state() == single.get_state()
+  with pytest.raises(ValueError, match="not divisible"):
+    _stream(cache, process_count=3)
+
+
+def test_eval_batches_cover_every_kept_pair_once(tmp_path):
+  cache = _cache(tmp_path, _random_pairs())
+  sel = packing.select(cache, 8, "drop")
+  for hosts in (1, 2):
+    batches = [pipeline.eval_batches(cache, batch_size=16, max_len=8, overlong="drop",
+                                     process_index=i, process_count=hosts) for i in range(hosts)]
+    assert len({len(b) for b in batches}) == 1  # Every host: the same number of batches.
+    rows = [b for host in batches for b in host]
+    assert all(b["inputs"].shape == (16 // hosts, 8) for b in rows)
+    assert sum(int((b["targets_segment_ids"].sum(1) > 0).sum()) for b in rows) == len(sel.ids)
+    tokens = sum(int(b["targets_segment_ids"].sum()) for b in rows)
+    assert tokens == int((sel.tgt_len + 1).sum())
+
+
+def test_prepare_fits_the_tokenizer_once_and_shares_it(fra_eng_builder, tfds_dir, tmp_path):
+  cfg = pipeline.DataConfig(
+      dataset="fra_eng", data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir,
+      cache_dir=str(tmp_path / "cache"), train_split="train[:3000]", eval_split="validation[:100]",
+      tokenizer="sentencepiece", vocab_size=300, tokenizer_sample=1000, max_len=32,
+      overlong="drop", num_workers=0)
+  first = pipeline.prepare(cfg, tmp_path / "w1", num_bleu_sentences=10)
+  assert first.train.num_pairs == 3000 and first.eval.num_pairs == 100
+  assert len(first.bleu_pairs) == 10 and first.bleu_pairs[0] == sources.pairs(
+      fra_eng_builder, "fra_eng", "validation[:1]")[0]
+  # The cached ids are what the tokenizer gives for the split's sentences.
+  src, tgt = sources.pairs(fra_eng_builder, "fra_eng", "train[:3000]")[1234]
+  assert list(first.train.ids("src", 1234)) == first.tokenizers.src.encode([src])[0]
+  assert list(first.train.ids("tgt", 1234)) == first.tokenizers.tgt.encode([tgt])[0]
+  second = pipeline.prepare(cfg, tmp_path / "w2")  # A new workdir reuses tokenizer and cache.
+  assert (tmp_path / "w2" / "tokenizer.model").read_bytes() == \
+      (tmp_path / "w1" / "tokenizer.model").read_bytes()
+  assert second.train.directory == first.train.directory

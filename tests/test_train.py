@@ -8,7 +8,7 @@ import pytest
 
 import train
 from tests.conftest import tiny_model_config
-from transformer_jax import train_lib
+from transformer_jax import config as config_lib, train_lib
 
 
 def _run(config, workdir, num_steps):
@@ -21,14 +21,20 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
   # The train step must be traced once per run, however many steps it takes.
   monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(train_lib.train_step, n=1))
   smoke_config.checkpoint_every = 7
-  straight = _run(smoke_config.copy_and_resolve_references(), tmp_path / "straight", 20)
+
+  def with_workers(n):  # Batches do not depend on the number of grain workers.
+    config = smoke_config.copy_and_resolve_references()
+    config.num_workers = str(n)
+    return config
+
+  straight = _run(with_workers(2), tmp_path / "straight", 20)
 
   chex.clear_trace_counter()
   stopped = tmp_path / "stopped"
-  _run(smoke_config.copy_and_resolve_references(), stopped, 7)
+  _run(with_workers(0), stopped, 7)
   assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == ["7"]
   chex.clear_trace_counter()
-  resumed = _run(smoke_config.copy_and_resolve_references(), stopped, 20)
+  resumed = _run(with_workers(1), stopped, 20)
 
   assert int(resumed.step) == int(straight.step) == 20
   for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params)):
@@ -88,37 +94,50 @@ def test_rsqrt_schedule_warms_up_then_decays():
   from configs import fra_eng
   c = fra_eng.get_config()
   c.learning_rate, c.warmup_steps = 1e-3, 100
-  lr = train_lib.learning_rate_schedule(c)
+  lr = train_lib.learning_rate_schedule(config_lib.optimizer_config(c))
   assert float(lr(0)) == 0.0
   np.testing.assert_allclose(float(lr(50)), 5e-4, rtol=1e-6)
   np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)
   np.testing.assert_allclose(float(lr(400)), 1e-3 * np.sqrt(100 / 400), rtol=1e-6)
 
 
-def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded():
+class _IdTokenizer:
+  """Text of space-separated ids -> those ids."""
+  vocab_size = 128
+
+  def encode(self, texts):
+    return [[int(w) for w in t.split()] for t in texts]
+
+
+def _id_cache(directory, id_pairs):
+  from tests.test_data import ListPairs
+  from transformer_jax.data import token_cache
+  from transformer_jax.data.tokenizer import Tokenizers
+  text = ListPairs([(" ".join(map(str, s)), " ".join(map(str, t))) for s, t in id_pairs])
+  return token_cache.build(directory, text, Tokenizers(_IdTokenizer(), _IdTokenizer()), "ids", 0)
+
+
+def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded(tmp_path):
   import flax.linen as nn
   from transformer_jax.data import pipeline
   from transformer_jax.model import Transformer
   rng = np.random.default_rng(0)
-  examples = []
-  for n_src, n_tgt in [(5, 4), (3, 6), (4, 2)]:
-    tgt = list(rng.integers(4, 100, n_tgt - 1)) + [2]
-    examples.append({"inputs": np.array(list(rng.integers(4, 100, n_src - 1)) + [2], np.int32),
-                     "decoder_inputs": np.array([1] + tgt[:-1], np.int32),
-                     "targets": np.array(tgt, np.int32)})
-  packed = next(iter(pipeline.train_dataset(examples, batch_size=2, max_len=16, seed=0,
-                                            packing=True)))
+  pairs = [(rng.integers(4, 100, n_src - 1), rng.integers(4, 100, n_tgt - 1))
+           for n_src, n_tgt in [(5, 4), (3, 6), (4, 2)]]
+  stream = pipeline.TrainStream(_id_cache(tmp_path / "p", pairs), batch_size=2, max_len=16,
+                                overlong="drop", seed=0)
+  packed = next(stream)
+  stream.close()
   assert packed["targets_segment_ids"].max() >= 2  # Rows really hold several sentences.
   # The same sentences cut out of the packed rows, one per padded row.
   unpacked = []
   for r in range(2):
     for seg in range(1, packed["targets_segment_ids"][r].max() + 1):
-      src = packed["inputs_segment_ids"][r] == seg
-      tgt = packed["targets_segment_ids"][r] == seg
-      unpacked.append({"inputs": packed["inputs"][r][src],
-                       "decoder_inputs": packed["decoder_inputs"][r][tgt],
-                       "targets": packed["targets"][r][tgt]})
-  padded = pipeline.eval_batches(unpacked, batch_size=len(unpacked), max_len=16)[0]
+      src = packed["inputs"][r][packed["inputs_segment_ids"][r] == seg]
+      tgt = packed["targets"][r][packed["targets_segment_ids"][r] == seg]
+      unpacked.append((src[:-1], tgt[:-1]))  # Without <eos>: the cache holds bare ids.
+  padded = pipeline.eval_batches(_id_cache(tmp_path / "u", unpacked), batch_size=len(unpacked),
+                                 max_len=16, overlong="drop")[0]
   model = Transformer(tiny_model_config())
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), padded["inputs"],
                                     padded["decoder_inputs"])["params"])
@@ -126,5 +145,5 @@ def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded():
                                       tx=optax.sgd(0.1), rng=jax.random.PRNGKey(0))
   a = train_lib.eval_step(state, packed)
   b = train_lib.eval_step(state, padded)
-  assert float(a["tokens"]) == float(b["tokens"]) == sum(len(u["targets"]) for u in unpacked)
+  assert float(a["tokens"]) == float(b["tokens"]) == sum(len(t) + 1 for _, t in unpacked) == 12
   np.testing.assert_allclose(float(a["nll_sum"]), float(b["nll_sum"]), rtol=1e-5)

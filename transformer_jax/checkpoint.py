@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the train state and the grain iterator, saved together."""
+"""Orbax checkpoints of the train state and the data position, saved together."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ class CheckpointNotFoundError(FileNotFoundError):
 class Checkpointer:
   """Asynchronous, rotating checkpoints under `directory` (one folder per step).
 
-  Each holds `state` (params, optimizer state, step, dropout key) and `data` (every host's
-  iterator position), so a resumed run sees the same batches and dropout masks.
+  Each holds `state` (params, optimizer state, step, dropout key) and `data` (the position of
+  the global batch stream, a small JSON object that is the same on every host), so a resumed
+  run, on any number of hosts, sees the same batches and dropout masks.
   """
 
   def __init__(self, directory: str | Path, save_every: int, keep: int, read_only: bool = False):
@@ -33,15 +34,13 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
+  def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
     """Saves if `step` is on the interval (or `force`); returns whether it did."""
-    import grain  # Loaded by training only: restoring parameters to decode needs no grain.
     return self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator)), force=force)
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
 
-  def restore(self, step: int, state_like, state_shardings, data_iterator=None):
-    """Restores the state into `state_shardings` (and the iterator in place, if given).
+  def restore(self, step: int, state_like, state_shardings) -> tuple[object, dict]:
+    """(state restored into `state_shardings`, data position) of a checkpoint.
 
     Args:
       state_like: a state (or abstract state) with the structure, shapes and dtypes to restore.
@@ -49,11 +48,9 @@ class Checkpointer:
     self._check_step(step)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_like, state_shardings)
-    items = {"state": ocp.args.StandardRestore(target)}
-    if data_iterator is not None:
-      import grain
-      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-    return self.manager.restore(step, args=ocp.args.Composite(**items)).state
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    return restored.state, restored.data
 
   def restore_params(self, step: int, boxed_params_like, mesh):
     """Only the parameters of a checkpoint (no optimizer state), sharded over `mesh` by their

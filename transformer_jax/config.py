@@ -33,8 +33,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(config.overlong in ("drop", "truncate"),
          f"overlong={config.overlong!r} must be 'drop' or 'truncate'")
   _check(config.max_len >= 2, f"max_len={config.max_len} must be at least 2")
-  for field in ("batch_size", "eval_batch_size", "num_steps", "log_every", "eval_every",
-                "checkpoint_every", "keep_checkpoints"):
+  _check(config.num_workers == "auto" or (str(config.num_workers).isdigit()),
+         f"num_workers={config.num_workers!r} must be 'auto' or a count >= 0")
+  for field in ("batch_size", "tokenizer_sample", "eval_batch_size", "num_steps", "log_every",
+                "eval_every", "checkpoint_every", "keep_checkpoints"):
     _check(config[field] > 0, f"{field}={config[field]} must be positive")
   _check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
   _check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
@@ -82,16 +84,34 @@ def model_config(config: ml_collections.ConfigDict, src_vocab: int,
                            tgt_vocab_size=padded_vocab(tgt_vocab), **kwargs)
 
 
+def data_config(config: ml_collections.ConfigDict):
+  """The data path's fields as a frozen pipeline.DataConfig."""
+  from transformer_jax.data.pipeline import DataConfig, resolve_workers
+  fields = {f.name for f in dataclasses.fields(DataConfig)} - {"num_workers"}
+  return DataConfig(num_workers=resolve_workers(config.num_workers),
+                    **{k: config[k] for k in sorted(fields)})
+
+
+def optimizer_config(config: ml_collections.ConfigDict):
+  """The optimizer's fields as a frozen train_lib.OptimizerConfig."""
+  from transformer_jax.train_lib import OptimizerConfig
+  return OptimizerConfig(**{f.name: config[f.name] for f in dataclasses.fields(OptimizerConfig)})
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every field a config can set, with defaults; experiments in configs/ override them."""
   c = ml_collections.ConfigDict()
   c.dataset = "fra_eng"
   c.data_dir = ""  # Local directory with the raw corpus files; empty: download them.
   c.tfds_dir = ""  # Where tfds prepares datasets; empty: ~/tensorflow_datasets.
+  # Fitted tokenizers and token-id caches of each split; empty: TFDS_DIR/transformer_jax_cache.
+  c.cache_dir = ""
+  c.num_workers = "auto"  # grain worker processes building batches: "auto" or a count (0: none).
   c.train_split = "train"
   c.eval_split = "validation"
   c.tokenizer = "sentencepiece"  # Or "word": d2l's word-level vocabularies.
   c.vocab_size = 8000  # SentencePiece only.
+  c.tokenizer_sample = 200_000  # Training pairs (spread over the split) the tokenizer is fit on.
   c.max_len = 64  # Tokens per side, <eos> included; also the packed row length.
   c.overlong = "drop"  # Pairs over max_len: "drop" or "truncate" (both counted and logged).
   c.packing = True

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state
@@ -23,27 +23,41 @@ class TrainState(train_state.TrainState):
   rng: jax.Array  # Dropout key of step s is fold_in(rng, s).
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The config fields the optimizer uses (meanings in transformer_jax/config.py)."""
+  schedule: str = "rsqrt"
+  learning_rate: float = 7e-4
+  warmup_steps: int = 4000
+  num_steps: int = 10_000
+  adam_b1: float = 0.9
+  adam_b2: float = 0.98
+  adam_eps: float = 1e-9
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   """`rsqrt`: the paper's linear warmup then inverse square root decay, peaking at
   `learning_rate`; `cosine`: warmup then cosine decay to 0; `constant`."""
-  peak, warmup = config.learning_rate, config.warmup_steps
-  if config.schedule == "constant":
+  peak, warmup = cfg.learning_rate, cfg.warmup_steps
+  if cfg.schedule == "constant":
     return optax.constant_schedule(peak)
-  if config.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, config.num_steps)
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, cfg.num_steps)
   return optax.join_schedules(
       [optax.linear_schedule(0.0, peak, warmup),
        lambda s: peak * jnp.sqrt(warmup / jnp.maximum(s + warmup, 1.0))],  # s: steps after warmup.
       [warmup])
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   """Global-norm clipping then Adam(W) with the config's betas, epsilon and schedule."""
   decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
   return optax.chain(
-      optax.clip_by_global_norm(config.grad_clip),
-      optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
-                  eps=config.adam_eps, weight_decay=config.weight_decay, mask=decay_mask))
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
+                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,

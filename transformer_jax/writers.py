@@ -1,45 +1,172 @@
-"""Metric writers: clu's console + TensorBoard writers, plus one JSON line per logged step."""
+"""Metric writers: console, TensorBoard events and metrics.jsonl, with or without TensorFlow.
+
+TensorBoard events come from clu's writer where TensorFlow is installed and from tensorboardX
+where it is not (importing anything under `clu.metric_writers` imports TensorFlow), so
+training runs on machines that cannot carry TensorFlow. metrics.jsonl gets one JSON object a
+line, flushed as it is written: a killed run keeps every step it logged.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import time
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
-from clu import metric_writers
+from absl import logging
 
 
-class JsonlWriter(metric_writers.MetricWriter):
-  """Appends every scalar write to a file as one JSON object a line, keyed by `step`."""
+def _scalar(v) -> float:
+  return float(np.asarray(v))
+
+
+class LoggingWriter:
+  """One console line per write: `[step] name=value, ...` (clu's LoggingWriter format)."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    values = ", ".join(f"{k}={_scalar(v):.6g}" for k, v in sorted(scalars.items()))
+    logging.info("[%d] %s", step, values)
+
+  def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+    logging.info("[%d] Got texts: %s.", step, dict(texts))
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    logging.info("Hyperparameters: %s", dict(hparams))
+
+  def flush(self) -> None: pass
+  def close(self) -> None: pass
+
+
+class JsonlWriter(LoggingWriter):
+  """Appends every scalar or text write to a file as one JSON object a line, keyed by `step`."""
 
   def __init__(self, path: str | Path):
     self._file = open(path, "a", encoding="utf-8")
 
-  def write_scalars(self, step, scalars):
-    record = {"step": int(step), **{k: float(np.asarray(v)) for k, v in scalars.items()}}
+  def _write(self, record: dict) -> None:
     self._file.write(json.dumps(record) + "\n")
+    self._file.flush()  # Into the OS at once: a SIGKILL loses nothing written.
+
+  def write_scalars(self, step, scalars):
+    self._write({"step": int(step), **{k: _scalar(v) for k, v in scalars.items()}})
 
   def write_texts(self, step, texts):
-    self._file.write(json.dumps({"step": int(step), **texts}) + "\n")
+    self._write({"step": int(step), **texts})
 
-  def write_summaries(self, step, values, metadata=None): pass
-  def write_images(self, step, images): pass
-  def write_videos(self, step, videos): pass
-  def write_audios(self, step, audios, *, sample_rate): pass
-  def write_histograms(self, step, arrays, num_buckets=None): pass
   def write_hparams(self, hparams): pass
-
-  def flush(self):
-    self._file.flush()
 
   def close(self):
     self._file.close()
 
 
-def create(workdir: str | Path, is_primary: bool) -> metric_writers.MetricWriter:
-  """TensorBoard events and metrics.jsonl in `workdir` on the primary host; console on all."""
+class TensorBoardXWriter(LoggingWriter):
+  """TensorBoard events through tensorboardX (no TensorFlow needed)."""
+
+  def __init__(self, logdir: str | Path):
+    from tensorboardX import SummaryWriter
+    self._writer = SummaryWriter(str(logdir), flush_secs=30)
+
+  def write_scalars(self, step, scalars):
+    for k, v in scalars.items():
+      self._writer.add_scalar(k, _scalar(v), int(step))
+
+  def write_texts(self, step, texts):
+    for k, v in texts.items():
+      self._writer.add_text(k, v, int(step))
+
+  def write_hparams(self, hparams):
+    self._writer.add_text("hparams", json.dumps(hparams, indent=1, default=str), 0)
+
+  def flush(self):
+    self._writer.flush()
+
+  def close(self):
+    self._writer.close()
+
+
+class CluWriter(LoggingWriter):
+  """clu's TensorBoard summary writer (TensorFlow's), without its console output."""
+
+  def __init__(self, logdir: str | Path):
+    from clu import metric_writers
+    self._writer = metric_writers.SummaryWriter(str(logdir))
+
+  def write_scalars(self, step, scalars):
+    self._writer.write_scalars(step, scalars)
+
+  def write_texts(self, step, texts):
+    self._writer.write_texts(step, texts)
+
+  def write_hparams(self, hparams):
+    self._writer.write_hparams(hparams)
+
+  def flush(self):
+    self._writer.flush()
+
+  def close(self):
+    self._writer.close()
+
+
+class MultiWriter(LoggingWriter):
+  def __init__(self, writers: list[LoggingWriter]):
+    self.writers = writers
+
+  def write_scalars(self, step, scalars):
+    for w in self.writers:
+      w.write_scalars(step, scalars)
+
+  def write_texts(self, step, texts):
+    for w in self.writers:
+      w.write_texts(step, texts)
+
+  def write_hparams(self, hparams):
+    for w in self.writers:
+      w.write_hparams(hparams)
+
+  def flush(self):
+    for w in self.writers:
+      w.flush()
+
+  def close(self):
+    for w in self.writers:
+      w.close()
+
+
+def tensorflow_available() -> bool:
+  try:
+    return importlib.util.find_spec("tensorflow") is not None
+  except (ImportError, ValueError):
+    return False
+
+
+def create(workdir: str | Path, is_primary: bool) -> LoggingWriter:
+  """Console on every host; on the primary also TensorBoard events and metrics.jsonl."""
   if not is_primary:
-    return metric_writers.LoggingWriter()
-  return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(str(workdir), asynchronous=False),
-      JsonlWriter(Path(workdir) / "metrics.jsonl")])
+    return LoggingWriter()
+  events = CluWriter if tensorflow_available() else TensorBoardXWriter
+  return MultiWriter([LoggingWriter(), events(workdir),
+                      JsonlWriter(Path(workdir) / "metrics.jsonl")])
+
+
+class Progress:
+  """Steps per second and time left, measured between calls (evaluation time excluded)."""
+
+  def __init__(self, num_steps: int, start_step: int):
+    self.num_steps, self.last_step = num_steps, start_step
+    self.last_time, self.paused = time.perf_counter(), 0.0
+
+  def exclude(self, seconds: float) -> None:
+    """Time spent outside training (evaluation, BLEU) since the last report."""
+    self.paused += seconds
+
+  def report(self, step: int) -> dict[str, float]:
+    now = time.perf_counter()
+    elapsed = max(now - self.last_time - self.paused, 1e-9)
+    rate = (step - self.last_step) / elapsed
+    logging.info("Step %d of %d (%.0f%%), %.2f steps/s, about %.0f min left", step,
+                 self.num_steps, 100 * step / self.num_steps, rate,
+                 (self.num_steps - step) / max(rate, 1e-9) / 60)
+    self.last_step, self.last_time, self.paused = step, now, 0.0
+    return {"steps_per_sec": rate, "seconds": elapsed}

@@ -131,3 +131,38 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
          gzip.open(tgt_path, "rt", encoding="utf-8") as ft:
       for i, (en, tgt) in enumerate(zip(fe, ft)):
         yield i, {"en": normalize(en), self._target: normalize(tgt)}
+
+
+class ParallelTsv(tfds.core.GeneratorBasedBuilder):
+  """Any local parallel corpus: `train.tsv` and `validation.tsv` (and optionally `test.tsv`) in
+  the manual directory, one `source<TAB>target` pair a line (benchmarks/synthetic_corpus.py
+  writes such a corpus). Prepare each corpus into its own tfds_dir."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  MANUAL_DOWNLOAD_INSTRUCTIONS = "Put train.tsv and validation.tsv in the manual directory."
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({"src": tfds.features.Text(),
+                                             "tgt": tfds.features.Text()}),
+        supervised_keys=("src", "tgt"), disable_shuffling=True)
+
+  def _split_generators(self, dl_manager):
+    manual = _manual_dir(dl_manager)
+    if manual is None:
+      raise FileNotFoundError("the parallel_tsv dataset needs data_dir: a directory with "
+                              "train.tsv and validation.tsv")
+    splits = {}
+    for split in ("train", "validation", "test"):
+      path = manual / f"{split}.tsv"
+      if path.exists():
+        splits[split] = self._generate_examples(path)
+      elif split != "test":
+        raise FileNotFoundError(f"data_dir {manual} has no {split}.tsv")
+    return splits
+
+  def _generate_examples(self, path: Path):
+    with open(path, encoding="utf-8") as f:
+      for i, line in enumerate(f):
+        src, _, tgt = line.rstrip("\n").partition("\t")
+        yield i, {"src": src, "tgt": tgt}

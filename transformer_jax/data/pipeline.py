@@ -1,167 +1,250 @@
-"""Tokenized examples and the grain pipelines that batch them.
+"""From a prepared dataset to the batches the train and eval steps eat.
 
-An example is three int32 arrays: `inputs` (source + <eos>), `decoder_inputs` (<bos> + target)
-and `targets` (target + <eos>). Every batch, packed or padded, has the same fixed shape
-[batch, max_len] and carries `*_segment_ids` (0 = padding) and `*_positions`, so the train
-step compiles once. `load_examples` goes from a config to tokenized examples of both splits.
+`prepare` builds (once, on the first host) the tfds array_record files, the tokenizer (fitted on
+a bounded sample of the training split) and a token-id cache of each split; nothing is held in
+memory whole. `TrainStream` yields endless packed training batches made by grain worker
+processes; its position is two integers of the global stream (block, batch), the same on every
+host, so a checkpoint resumes on any number of hosts or workers. `eval_batches` pads the
+evaluation split. Every batch has the fixed shape [rows, max_len] and carries
+`*_segment_ids` (0 = padding) and `*_positions` (see `packing`), so steps compile once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
 from pathlib import Path
 
-import grain
-import jax
-from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import sources
-from transformer_jax.data.tokenizer import BOS, EOS, Tokenizers, train_tokenizers
-
-FEATURES = ("inputs", "decoder_inputs", "targets")
+from transformer_jax.data import packing, token_cache, workers
+from transformer_jax.data.packing import FEATURES
+from transformer_jax.data.tokenizer import SPM_FILE, WORD_FILE, Tokenizers, train_tokenizers
 
 
 @dataclasses.dataclass(frozen=True)
-class LengthStats:
-  total: int
-  kept: int
-  truncated: int
-  dropped: int
+class DataConfig:
+  """The config fields the data path uses (see transformer_jax/config.py for their meaning)."""
+  dataset: str
+  data_dir: str
+  tfds_dir: str
+  cache_dir: str
+  train_split: str
+  eval_split: str
+  tokenizer: str
+  vocab_size: int
+  tokenizer_sample: int
+  max_len: int
+  overlong: str
+  num_workers: int
+
+  @property
+  def cache_root(self) -> Path:
+    tfds_dir = self.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
+    return Path(self.cache_dir or Path(tfds_dir) / "transformer_jax_cache") / self.dataset
 
 
-def tokenize(pairs: list[tuple[str, str]], tokenizers: Tokenizers, max_len: int,
-             overlong: str = "drop") -> tuple[list[dict[str, np.ndarray]], LengthStats]:
-  """Encodes sentence pairs; pairs longer than `max_len` tokens (with <eos>) are dropped or
-  truncated, and the count is returned (the caller logs it)."""
-  if overlong not in ("drop", "truncate"):
-    raise ValueError(f"data.overlong must be 'drop' or 'truncate', got {overlong!r}")
-  src_ids = tokenizers.src.encode([p[0] for p in pairs])
-  tgt_ids = tokenizers.tgt.encode([p[1] for p in pairs])
-  examples, truncated, dropped = [], 0, 0
-  for src, tgt in zip(src_ids, tgt_ids):
-    src, tgt = list(src) + [EOS], list(tgt) + [EOS]
-    if not src[:-1] or not tgt[:-1]:
-      dropped += 1
-      continue
-    if max(len(src), len(tgt)) > max_len:
-      if overlong == "drop":
-        dropped += 1
-        continue
-      truncated += 1
-      src, tgt = src[:max_len], tgt[:max_len]
-    examples.append({
-        "inputs": np.asarray(src, np.int32),
-        "decoder_inputs": np.asarray([BOS] + tgt[:-1], np.int32),
-        "targets": np.asarray(tgt, np.int32),
-    })
-  return examples, LengthStats(len(pairs), len(examples), truncated, dropped)
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  tokenizers: Tokenizers
+  train: token_cache.TokenCache
+  eval: token_cache.TokenCache
+  bleu_pairs: list[tuple[str, str]]  # A fixed sample of the eval split, as text.
 
 
-def log_stats(split: str, stats: LengthStats, max_len: int) -> None:
-  logging.info("%s: %d of %d pairs kept; %d dropped (empty or over %d tokens), %d truncated",
-               split, stats.kept, stats.total, stats.dropped, max_len, stats.truncated)
+def resolve_workers(num_workers: int | str) -> int:
+  """`auto`: one grain worker per two CPU cores, at most 8 (0 means in-process)."""
+  if num_workers == "auto":
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+  if int(num_workers) < 0:
+    raise ValueError(f"num_workers={num_workers} must be 'auto' or a count >= 0")
+  return int(num_workers)
 
 
-def _pad(example: dict[str, np.ndarray], max_len: int) -> dict[str, np.ndarray]:
-  """One example as a row of a padded batch, with segment ids and positions."""
-  out = {}
-  for key in FEATURES:
-    n = len(example[key])
-    out[key] = np.pad(example[key], (0, max_len - n))
-    if key != "decoder_inputs":
-      out[f"{key}_segment_ids"] = (np.arange(max_len) < n).astype(np.int32)
-      out[f"{key}_positions"] = np.where(np.arange(max_len) < n, np.arange(max_len), 0).astype(
-          np.int32)
-  return out
+def _split_dir(split: str) -> str:
+  """A file name for a tfds split spec such as "train[:4000]"."""
+  return re.sub(r"[^\w.-]+", "_", split) + "-" + hashlib.sha1(split.encode()).hexdigest()[:6]
 
 
-def train_dataset(examples, *, batch_size: int, max_len: int, seed: int, packing: bool,
-                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-  """Endless, seeded, per-host training batches of `batch_size // process_count` rows.
-
-  With `packing`, several sentences share a row (first-fit into `batch_size` bins); without,
-  each sentence is padded to `max_len`. Every epoch is shuffled anew.
-  """
-  if batch_size % process_count:
-    raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
-  local_batch = batch_size // process_count
-  ds = grain.MapDataset.source(examples)[process_index::process_count]
-  ds = ds.repeat().shuffle(seed=seed).to_iter_dataset()
-  if packing:
-    ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={k: max_len for k in FEATURES}, num_packing_bins=local_batch,
-        seed=seed, shuffle_bins=True)
-    ds = ds.map(_drop_redundant)
+def _tokenizers(cfg: DataConfig, text, workdir: Path) -> Tokenizers:
+  """The workdir's tokenizers; else the dataset cache's (copied in); else fitted on a sample of
+  at most `tokenizer_sample` training pairs spread evenly over the split, and saved in both."""
+  tokenizers = Tokenizers.load(workdir)
+  if tokenizers is not None:
+    logging.info("Reusing the tokenizer saved in %s", workdir)
+    return tokenizers
+  shared = cfg.cache_root / f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
+  tokenizers = Tokenizers.load(shared)
+  if tokenizers is None:
+    n = len(text)
+    indices = (np.arange(n) if n <= cfg.tokenizer_sample
+               else np.linspace(0, n - 1, cfg.tokenizer_sample).astype(np.int64))
+    src, tgt = [], []
+    for start in range(0, len(indices), 10_000):
+      s, t = text.read(indices[start:start + 10_000])
+      src += s
+      tgt += t
+    logging.info("Fitting a %s tokenizer on %d of %d training pairs", cfg.tokenizer,
+                 len(indices), n)
+    tokenizers = train_tokenizers(list(zip(src, tgt)), cfg.tokenizer, cfg.vocab_size)
+    shared.mkdir(parents=True, exist_ok=True)
+    tokenizers.save(shared)
   else:
-    ds = ds.map(lambda ex: _pad(ex, max_len))
-  return ds.batch(local_batch, drop_remainder=True)
+    logging.info("Reusing the tokenizer saved in %s", shared)
+  tokenizers.save(workdir)
+  return tokenizers
 
 
-def _drop_redundant(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  # decoder_inputs share segments and positions with targets.
-  packed.pop("decoder_inputs_segment_ids")
-  packed.pop("decoder_inputs_positions")
-  return packed
+def _tokenizer_files(workdir: Path) -> list[Path]:
+  return [p for p in (workdir / SPM_FILE, workdir / WORD_FILE) if p.exists()]
 
 
-def eval_batches(examples, *, batch_size: int, max_len: int, process_index: int = 0,
-                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """Padded [batch_size // process_count, max_len] batches covering every example once.
+def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0,
+            is_first_host: bool = True, wait_for_first_host=lambda: None) -> Prepared:
+  """Prepares the dataset, tokenizer and token caches; returns them opened.
+
+  With several hosts, the first does the work and the others read the result once
+  `wait_for_first_host()` returns (workdir and cache on a shared filesystem).
+  """
+  from transformer_jax.data import sources  # tfds loads here, not on import.
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+
+  def load(build: bool):
+    builder = sources.prepare(cfg.dataset, cfg.tfds_dir or os.path.expanduser(
+        "~/tensorflow_datasets"), cfg.data_dir or None)
+    texts = {split: sources.TextPairs(builder, cfg.dataset, split)
+             for split in (cfg.train_split, cfg.eval_split)}
+    tokenizers = (_tokenizers(cfg, texts[cfg.train_split], workdir) if build
+                  else Tokenizers.load(workdir))
+    fp = token_cache.fingerprint(_tokenizer_files(workdir))
+    caches = {}
+    for split, text in texts.items():
+      directory = cfg.cache_root / fp / _split_dir(split)
+      caches[split] = (token_cache.build(directory, text, tokenizers, fp, cfg.num_workers)
+                       if build else token_cache.TokenCache(directory))
+    return tokenizers, caches, texts[cfg.eval_split]
+
+  if is_first_host:
+    tokenizers, caches, eval_text = load(build=True)
+  wait_for_first_host()
+  if not is_first_host:
+    tokenizers, caches, eval_text = load(build=False)
+  bleu_pairs = []
+  if num_bleu_sentences > 0:  # A fixed sample spread over the eval split.
+    stride = max(1, len(eval_text) // num_bleu_sentences)
+    bleu_pairs = sources.pairs_of(eval_text, range(0, len(eval_text), stride)[
+        :num_bleu_sentences])
+  return Prepared(tokenizers, caches[cfg.train_split], caches[cfg.eval_split], bleu_pairs)
+
+
+def log_selection(split: str, sel: packing.Selection, max_len: int) -> None:
+  logging.info("%s: %d of %d pairs kept; %d dropped (empty or over %d tokens), %d truncated",
+               split, len(sel.ids), sel.total, sel.dropped, max_len, sel.truncated)
+
+
+class TrainStream:
+  """Endless training batches (this host's rows of each global batch) from a token cache.
+
+  Blocks of pairs are planned and filled by `packing.TrainBlocks` in `num_workers` grain
+  worker processes (0: a thread of this process) and handed out batch by batch here. The
+  position `get_state()` is {"block", "batch"}: the next batch is batch `batch` of global
+  block `block`. It is host- and worker-independent, so any run can resume it.
+  """
+
+  def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
+               overlong: str, seed: int, packing_: bool = True, num_workers: int = 0,
+               process_index: int = 0, process_count: int = 1):
+    if batch_size % process_count:
+      raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+    local = batch_size // process_count
+    self.blocks = packing.TrainBlocks(
+        cache, rows=batch_size, row_start=process_index * local,
+        row_stop=(process_index + 1) * local, max_len=max_len, overlong=overlong, seed=seed,
+        packing=packing_)
+    self.num_workers = num_workers
+    self._block, self._batch = 0, 0
+    self._current: dict[str, np.ndarray] | None = None
+    self._iter = None
+
+  @property
+  def selection(self) -> packing.Selection:
+    return self.blocks.selection
+
+  def get_state(self) -> dict[str, int]:
+    return {"block": self._block, "batch": self._batch}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self.close()
+    self._block, self._batch = int(state["block"]), int(state["batch"])
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    while self._current is None or self._batch >= len(self._current["inputs"]):
+      if self._current is not None:
+        self._block, self._batch = self._block + 1, 0
+      if self._iter is None:
+        self._iter = workers.ordered_map(self._block, 2 ** 62, self.blocks, self.num_workers)
+      self._current = next(self._iter)
+      assert int(self._current["block"]) == self._block, "blocks arrived out of order"
+    batch = {k: self._current[k][self._batch] for k in FEATURES}
+    self._batch += 1
+    return batch
+
+  def close(self) -> None:
+    if self._iter is not None and hasattr(self._iter, "close"):
+      self._iter.close()
+    self._iter, self._current = None, None
+
+
+def eval_batches(cache: token_cache.TokenCache, *, batch_size: int, max_len: int, overlong: str,
+                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """Padded [batch_size // process_count, max_len] batches covering every kept pair once.
 
   The last batch is filled with empty rows (segment id 0 everywhere), and every host gets the
   same number of batches, so shapes never change and collectives line up.
   """
-  local_batch = batch_size // process_count
-  num_batches = -(-len(examples) // batch_size)
-  mine = examples[process_index::process_count]
-  rows = [_pad(ex, max_len) for ex in mine]
-  empty = _pad({k: np.zeros(0, np.int32) for k in FEATURES}, max_len)
-  rows += [empty] * (num_batches * local_batch - len(rows))
-  return [{k: np.stack([r[k] for r in rows[i:i + local_batch]]) for k in rows[0]}
-          for i in range(0, len(rows), local_batch)]
+  sel = packing.select(cache, max_len, overlong)
+  local = batch_size // process_count
+  mine = np.arange(process_index, len(sel.ids), process_count)
+  tokens = (cache.tokens("src"), cache.tokens("tgt"))
+  offsets = (cache.offsets("src"), cache.offsets("tgt"))
+  batches = []
+  for b in range(-(-len(sel.ids) // batch_size)):
+    rows = mine[b * local:(b + 1) * local]
+    pair, zeros = sel.ids[rows], np.zeros(len(rows), np.int64)
+    batches.append(packing.fill_rows(
+        tokens, (offsets[0][pair], offsets[1][pair]), (sel.src_len[rows], sel.tgt_len[rows]),
+        np.arange(len(rows)), (zeros, zeros), local, max_len))
+  return batches
 
 
-def load_examples(config: ml_collections.ConfigDict, workdir: str | Path):
-  """Prepares the dataset, fits (or reloads) the tokenizers, tokenizes both splits.
 
-  The tokenizers are saved into `workdir` on first use and reloaded afterwards, so a resumed
-  run and the decoder see exactly the same vocabulary.
+class Prefetched:
+  """Keeps the next batch already put on the devices while the current step runs.
 
-  Returns:
-    (tokenizers, train examples, eval examples, eval sentence pairs)
+  `put` turns a host batch into device arrays (the transfer is asynchronous). `state` is the
+  stream position after the batch last returned: the point to resume from.
   """
-  tfds_dir = config.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
 
-  def load():
-    builder = sources.prepare(config.dataset, tfds_dir, config.data_dir or None)
-    return (sources.pairs(builder, config.dataset, config.train_split),
-            sources.pairs(builder, config.dataset, config.eval_split), Tokenizers.load(workdir))
+  def __init__(self, stream: TrainStream, put):
+    self._stream, self._put = stream, put
+    self.state = stream.get_state()
+    self._next = self._pull()
 
-  # With several hosts, the first prepares the data and fits the tokenizer, the others then
-  # read both (the workdir and tfds_dir are on a shared filesystem).
-  if jax.process_index() == 0:
-    train_pairs, eval_pairs, tokenizers = load()
-    if tokenizers is None:
-      logging.info("Fitting a %s tokenizer on %d training pairs", config.tokenizer,
-                   len(train_pairs))
-      tokenizers = train_tokenizers(train_pairs, config.tokenizer, config.vocab_size)
-      tokenizers.save(workdir)
-    else:
-      logging.info("Reusing the tokenizer saved in %s", workdir)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("data prepared")
-    if jax.process_index() > 0:
-      train_pairs, eval_pairs, tokenizers = load()
-  out = [tokenizers]
-  for split, pairs in ((config.train_split, train_pairs), (config.eval_split, eval_pairs)):
-    examples, stats = tokenize(pairs, tokenizers, config.max_len, config.overlong)
-    log_stats(split, stats, config.max_len)
-    if not examples:
-      raise ValueError(f"{config.dataset} split {split!r} has no pair within max_len="
-                       f"{config.max_len}")
-    out.append(examples)
-  return (*out, eval_pairs)
+  def _pull(self):
+    batch = self._put(next(self._stream))
+    return batch, self._stream.get_state()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    batch, self.state = self._next
+    self._next = self._pull()
+    return batch

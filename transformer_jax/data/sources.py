@@ -25,6 +25,8 @@ DATASETS = {
     # tfds's own WMT14 builders need the internet (and a large disk) to prepare.
     "wmt14_en_de": DatasetSpec(None, "wmt14_translate/de-en", "en", "de"),
     "wmt14_en_fr": DatasetSpec(None, "wmt14_translate/fr-en", "en", "fr"),
+    # A local corpus of train.tsv / validation.tsv (e.g. benchmarks/synthetic_corpus.py's).
+    "parallel_tsv": DatasetSpec(builders.ParallelTsv, "parallel_tsv", "src", "tgt"),
 }
 
 
@@ -48,15 +50,45 @@ def prepare(name: str, tfds_dir: str, data_dir: str | None):
   return builder
 
 
-def pairs(builder, name: str, split: str) -> list[tuple[str, str]]:
-  """All (source, target) sentence pairs of a split, read through tfds's random-access source.
+class TextPairs:
+  """Random access to the (source, target) sentences of one prepared split.
 
-  `split` may use tfds slicing, e.g. "train[:512]".
+  Reads raw records and parses only the two text features, about 7x faster than tfds's
+  generic decoding. Picklable (it reopens its files), so grain workers can hold one.
   """
-  spec = DATASETS[name]
-  source = builder.as_data_source(split)
+
+  def __init__(self, builder, name: str, split: str):
+    from tensorflow_datasets.core import decode
+    spec = DATASETS[name]
+    self.keys = (spec.src_lang, spec.tgt_lang)
+    self.split = split
+    self._records = builder.as_data_source(
+        split, deserialize_method=decode.DeserializeMethod.RAW_BYTES)
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def read(self, indices) -> tuple[list[str], list[str]]:
+    """The source and target sentences of the records at `indices`."""
+    from tensorflow_datasets.proto import tf_example_pb2
+    src, tgt = [], []
+    for record in self._records.__getitems__(list(indices)):
+      feature = tf_example_pb2.Example.FromString(record).features.feature
+      src.append(feature[self.keys[0]].bytes_list.value[0].decode("utf-8"))
+      tgt.append(feature[self.keys[1]].bytes_list.value[0].decode("utf-8"))
+    return src, tgt
+
+
+def pairs(builder, name: str, split: str) -> list[tuple[str, str]]:
+  """Every (source, target) sentence pair of a split; `split` may use tfds slicing, e.g.
+  "train[:512]"."""
+  text = TextPairs(builder, name, split)
+  return pairs_of(text, range(len(text)))
+
+
+def pairs_of(text: TextPairs, indices) -> list[tuple[str, str]]:
+  """The (source, target) pairs at `indices`, read in batches (much faster than one by one)."""
   out = []
-  for start in range(0, len(source), 10_000):  # Batched reads are ~15x faster than one by one.
-    for ex in source.__getitems__(range(start, min(start + 10_000, len(source)))):
-      out.append((ex[spec.src_lang].decode("utf-8"), ex[spec.tgt_lang].decode("utf-8")))
+  for start in range(0, len(indices), 10_000):
+    out.extend(zip(*text.read(indices[start:start + 10_000])))
   return out

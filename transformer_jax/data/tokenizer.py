@@ -37,6 +37,9 @@ class SentencePiece:
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     self.vocab_size = self._sp.get_piece_size()
 
+  def __reduce__(self):  # Pickled as its model, for grain worker processes.
+    return SentencePiece, (self.model_proto,)
+
   @classmethod
   def train(cls, sentences: Iterable[str], vocab_size: int, max_sentences: int = 400_000):
     model = io.BytesIO()

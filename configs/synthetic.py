@@ -1,0 +1,28 @@
+"""WMT-sized batches on a local synthetic corpus (benchmarks/synthetic_corpus.py): the input
+path at scale without the internet. `arg` "cpu" shrinks the model (not the data or batch) to
+what a CPU steps through in seconds.
+
+  python benchmarks/synthetic_corpus.py --out /tmp/synth5m --pairs 5000000
+  python train.py --config configs/synthetic.py:cpu --workdir runs/synth5m \
+      --config.data_dir /tmp/synth5m --config.tfds_dir /tmp/synth5m/tfds
+Prepare each corpus into its own tfds_dir (the prepared dataset is named `parallel_tsv`).
+Figures (first-step latency, peak memory at 1M and 5M pairs): benchmarks/README.md.
+"""
+
+from transformer_jax.config import base_config, smoke
+
+
+def get_config(arg=None):
+  c = base_config()
+  c.dataset = "parallel_tsv"
+  c.vocab_size = 32_000
+  c.max_len = 256
+  c.batch_size = 96  # 96 packed rows x 256 = 24.6k tokens a side, as configs/wmt14_base.py.
+  c.num_bleu_sentences = 64
+  c.num_eval_batches = 4
+  c.model.dtype = "bfloat16"
+  c.eval_every = c.checkpoint_every = 2000
+  if arg == "cpu":
+    c.model.update(d_model=64, num_heads=4, ffn_dim=128, num_encoder_layers=1,
+                   num_decoder_layers=1, dtype="float32")
+  return smoke(c) if arg == "smoke" else c
