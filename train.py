@@ -39,11 +39,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   workdir = Path(workdir)
   if (workdir / "config.json").exists() and any((workdir / "checkpoints").glob("[0-9]*")):
     config_lib.check_same_model((workdir / "config.json").read_text(), config)
+  primary, hosts = jax.process_index() == 0, jax.process_count()
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  if primary:  # One writer, and a whole file: other hosts may be reading the previous one.
+    (workdir / "config.json.tmp").write_text(config.to_json_best_effort(indent=2))
+    (workdir / "config.json.tmp").replace(workdir / "config.json")
   jax.config.update("jax_compilation_cache_dir",
                     config.compilation_cache_dir or str(workdir / "jax_cache"))
-  primary, hosts = jax.process_index() == 0, jax.process_count()
 
   data_cfg = config_lib.data_config(config)
   data = pipeline.prepare(

@@ -33,7 +33,7 @@ class Plan:
 
 
 def first_fit(src_len: np.ndarray, tgt_len: np.ndarray, rows: int, max_len: int,
-              max_misses: int = 16) -> list[Plan]:
+              max_misses: int = 32) -> list[Plan]:
   """Packs pairs, in order, into batches of `rows` rows of `max_len` tokens a side.
 
   Each pair goes into the first row with room for both its sides. A pair that fits nowhere
@@ -171,7 +171,7 @@ class TrainBlocks:
   """
 
   def __init__(self, cache, *, rows: int, row_start: int, row_stop: int, max_len: int,
-               overlong: str, seed: int, packing: bool = True, batches_per_block: int = 16):
+               overlong: str, seed: int, packing: bool = True, batches_per_block: int = 64):
     self.cache, self.rows, self.max_len, self.overlong = cache, rows, max_len, overlong
     self.row_start, self.row_stop, self.seed, self.packing = row_start, row_stop, seed, packing
     self.batches_per_block = batches_per_block

@@ -69,7 +69,7 @@ def _split_dir(split: str) -> str:
   return re.sub(r"[^\w.-]+", "_", split) + "-" + hashlib.sha1(split.encode()).hexdigest()[:6]
 
 
-def _tokenizers(cfg: DataConfig, text, workdir: Path) -> Tokenizers:
+def tokenizers_for(cfg: DataConfig, text, workdir: Path) -> Tokenizers:
   """The workdir's tokenizers; else the dataset cache's (copied in); else fitted on a sample of
   at most `tokenizer_sample` training pairs spread evenly over the split, and saved in both."""
   tokenizers = Tokenizers.load(workdir)
@@ -118,7 +118,7 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
         "~/tensorflow_datasets"), cfg.data_dir or None)
     texts = {split: sources.TextPairs(builder, cfg.dataset, split)
              for split in (cfg.train_split, cfg.eval_split)}
-    tokenizers = (_tokenizers(cfg, texts[cfg.train_split], workdir) if build
+    tokenizers = (tokenizers_for(cfg, texts[cfg.train_split], workdir) if build
                   else Tokenizers.load(workdir))
     fp = token_cache.fingerprint(_tokenizer_files(workdir))
     caches = {}
