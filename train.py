@@ -58,7 +58,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
       model, train_lib.make_optimizer(opt_cfg), config.seed, mesh, config.max_len)
   stream = pipeline.TrainStream(
       data.train, batch_size=config.batch_size, max_len=config.max_len, overlong=config.overlong,
-      seed=config.seed, packing_=config.packing, num_workers=data_cfg.num_workers,
+      seed=config.seed, pack=config.packing, num_workers=data_cfg.num_workers,
       process_index=jax.process_index(), process_count=hosts)
   pipeline.log_selection(config.train_split, stream.selection, config.max_len)
   eval_data = pipeline.eval_batches(

@@ -98,7 +98,7 @@ def real_batches(config, rows: int, packing: bool, count: int):
   with tempfile.TemporaryDirectory() as workdir:
     data = pipeline.prepare(config_lib.data_config(config), workdir)
   stream = pipeline.TrainStream(data.train, batch_size=rows, max_len=config.max_len,
-                                overlong=config.overlong, seed=0, packing_=packing)
+                                overlong=config.overlong, seed=0, pack=packing)
   batches = [next(stream) for _ in range(count)]
   stream.close()
   return batches

@@ -149,7 +149,7 @@ def test_first_fit_places_every_pair_once_within_the_rows():
 def test_batches_have_one_shape_and_rebuild_the_pairs(tmp_path, packed):
   pairs = _random_pairs()
   cache = _cache(tmp_path, pairs)
-  stream = _stream(cache, packing_=packed)
+  stream = _stream(cache, pack=packed)
   seen, shared_rows = [], 0
   for _ in range(60):  # Over an epoch of the ~150 kept pairs.
     batch = next(stream)

@@ -156,7 +156,7 @@ class TrainStream:
   """
 
   def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
-               overlong: str, seed: int, packing_: bool = True, num_workers: int = 0,
+               overlong: str, seed: int, pack: bool = True, num_workers: int = 0,
                process_index: int = 0, process_count: int = 1):
     if batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
@@ -164,7 +164,7 @@ class TrainStream:
     self.blocks = packing.TrainBlocks(
         cache, rows=batch_size, row_start=process_index * local,
         row_stop=(process_index + 1) * local, max_len=max_len, overlong=overlong, seed=seed,
-        packing=packing_)
+        packing=pack)
     self.num_workers = num_workers
     self._block, self._batch = 0, 0
     self._current: dict[str, np.ndarray] | None = None

@@ -32,13 +32,16 @@ class Tokenizer(Protocol):
 class SentencePiece:
   """A joint SentencePiece unigram model."""
 
-  def __init__(self, model_proto: bytes):
+  def __init__(self, model_proto: bytes, num_threads: int = -1):
+    """`num_threads`: threads of a batched `encode` (-1: one per CPU core)."""
     self.model_proto = model_proto
-    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto, num_threads=num_threads)
     self.vocab_size = self._sp.get_piece_size()
 
-  def __reduce__(self):  # Pickled as its model, for grain worker processes.
-    return SentencePiece, (self.model_proto,)
+  def __reduce__(self):
+    # Pickled for grain worker processes: one thread each, since the workers are the
+    # parallelism (N workers x all cores would oversubscribe the CPU).
+    return SentencePiece, (self.model_proto, 1)
 
   @classmethod
   def train(cls, sentences: Iterable[str], vocab_size: int, max_sentences: int = 400_000):
