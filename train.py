@@ -20,9 +20,12 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from transformer_jax import (checkpoint, config as config_lib, inference, sharding, train_lib,
-                             writers)
+from transformer_jax import (checkpoint, config as config_lib, preemption as preemption_lib,
+                             sharding, train_lib, writers)
+from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
+from transformer_jax.data.builders import DatasetError
+from transformer_jax.data.tokenizer import TokenizerError
 from transformer_jax.model import Transformer
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
@@ -30,27 +33,29 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the to
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-host runs.")
 flags.DEFINE_integer("num_processes", 1, "Number of processes (one per host).")
 flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. num_processes - 1.")
+flags.DEFINE_enum("distributed", "auto", ["auto", "off"],
+                  "auto: without --num_processes, join the multi-process run of a cluster that "
+                  "jax detects from the environment (SLURM, Cloud TPU, Kubernetes, Open MPI).")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train_lib.TrainState:
   """Trains to `config.num_steps`, resuming from the latest checkpoint in `workdir`."""
+  # Every check that can fail comes before anything is prepared, compiled or written.
   config_lib.validate(config)
-  mesh = sharding.make_mesh(config.mesh_shape)
-  workdir = Path(workdir)
-  if (workdir / "config.json").exists() and any((workdir / "checkpoints").glob("[0-9]*")):
-    config_lib.check_same_model((workdir / "config.json").read_text(), config)
+  mesh = config_lib.checked_mesh(config)
+  workdir = _checked_workdir(workdir, config)
   primary, hosts = jax.process_index() == 0, jax.process_count()
+
+  data_cfg = config_lib.data_config(config)
+  data = pipeline.prepare(
+      data_cfg, workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=primary,
+      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
   workdir.mkdir(parents=True, exist_ok=True)
   if primary:  # One writer, and a whole file: other hosts may be reading the previous one.
     (workdir / "config.json.tmp").write_text(config.to_json_best_effort(indent=2))
     (workdir / "config.json.tmp").replace(workdir / "config.json")
   jax.config.update("jax_compilation_cache_dir",
                     config.compilation_cache_dir or str(workdir / "jax_cache"))
-
-  data_cfg = config_lib.data_config(config)
-  data = pipeline.prepare(
-      data_cfg, workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=primary,
-      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
   model = Transformer(config_lib.model_config(config, data.tokenizers.src.vocab_size,
                                               data.tokenizers.tgt.vocab_size))
   opt_cfg = config_lib.optimizer_config(config)
@@ -69,24 +74,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
 
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint_every,
                                  config.keep_checkpoints)
-  start = ckpt.latest_step() or 0
-  if start:
+  restored = ckpt.restore_latest(state, state_shardings)
+  if restored:
+    start, state, data_state = restored
     logging.info("Resuming from the checkpoint of step %d in %s", start, ckpt.directory)
-    state, data_state = ckpt.restore(start, state, state_shardings)
     stream.set_state(data_state)
   else:
+    start = 0
     logging.info("No checkpoint in %s: starting from scratch", ckpt.directory)
 
-  writer = writers.create(workdir, primary)
+  writer = writers.create(workdir, primary, resume_step=start)
   if start == 0:
     writer.write_hparams(config.to_dict())
   progress = writers.Progress(config.num_steps, start)
   schedule = train_lib.learning_rate_schedule(opt_cfg)
-  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing)
-  bleu_eval = data.bleu_pairs and inference.BleuEval(
+  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing,
+                                        config.nan_at_step)
+  bleu_eval = data.bleu_pairs and BleuEval(
       model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
   batches = pipeline.Prefetched(stream, lambda b: sharding.global_batch(b, mesh))
   capacity = config.batch_size * config.max_len
+  guard = train_lib.NonFiniteGuard(config.nonfinite, config.max_nonfinite_in_row)
+  preemption = preemption_lib.Preemption(multi_process=hosts > 1)
+
+  def save(step):
+    guard.check()  # Raises before a state with a dropped (non-finite) step in `stop` mode.
+    if not train_lib.all_finite(state.params):
+      raise train_lib.NonFiniteError(f"the parameters at step {step} are not finite: not saved")
+    ckpt.save(step, state, batches.state, force=True)
 
   try:
     with sharding.mesh_context(mesh):
@@ -95,12 +110,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           state, metrics = p_train(state, next(batches))
           history.append(metrics)  # Device arrays: read only when logged, no sync per step.
+          guard.record(step, metrics["nonfinite"])
         if step % config.log_every == 0 or step == config.num_steps:
-          summary = {k: float(np.mean([m[k] for m in history])) for k in history[0]}
+          guard.check()
+          finite = [m for m in history if not float(m["nonfinite"])] or history
+          summary = {k: float(np.mean([m[k] for m in finite])) for k in finite[0]
+                     if k != "nonfinite"}
           rate = progress.report(step)
-          summary.update(tokens_per_sec=summary["tokens"] * len(history) / rate["seconds"],
+          summary.update(tokens_per_sec=summary["tokens"] * len(finite) / rate["seconds"],
                          padding_fraction=1.0 - summary["tokens"] / capacity,
-                         learning_rate=float(schedule(step - 1)))
+                         learning_rate=float(schedule(step - 1)),
+                         skipped_steps=guard.skipped)
           writer.write_scalars(step, {"steps_per_sec": rate["steps_per_sec"],
                                       **{f"train/{k}": v for k, v in summary.items()}})
           history = []
@@ -113,13 +133,71 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
             writer.write_texts(step, {"eval/examples": "\n".join(examples)})
           writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
           progress.exclude(time.perf_counter() - eval_start)  # Throughput excludes evaluation.
-        if step % config.checkpoint_every == 0 or step == config.num_steps:
-          ckpt.save(step, state, batches.state, force=True)
+        stop = preemption.should_stop(step)
+        if step % config.checkpoint_every == 0 or step == config.num_steps or stop:
+          save(step)
+        if stop:
+          ckpt.wait()
+          logging.warning("Stopped at step %d by a signal; its checkpoint is saved in %s. "
+                          "Run the same command to resume.", step, ckpt.directory)
+          break
   finally:  # Also on an error: finish the checkpoint being written, flush the logs.
     stream.close()
     writer.flush()
     ckpt.close()
+    preemption.restore()
   return state
+
+
+def _checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
+  """The workdir as a Path, after the checks a resumed run needs (nothing is created)."""
+  if not str(workdir).strip():
+    raise config_lib.ConfigError("--workdir is empty; name a directory for the run")
+  workdir = Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise config_lib.ConfigError(f"--workdir {workdir} is a file, not a directory")
+  steps = [int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
+  if steps and (workdir / "config.json").exists():
+    config_lib.check_same_model((workdir / "config.json").read_text(), config)
+  if steps and max(steps) > config.num_steps:
+    raise config_lib.ConfigError(
+        f"num_steps={config.num_steps} is below the latest checkpoint's step ({max(steps)}) in "
+        f"{workdir / 'checkpoints'}; raise num_steps to train on, or use a new workdir")
+  return workdir
+
+
+def _detected_cluster() -> str | None:
+  """The name of the cluster environment jax's own auto-detection would use, or None.
+
+  Reads jax's registry of cluster types (`jax._src.clusters`, not a public API: where it
+  moves, detection is off and the flags still work).
+  """
+  try:
+    from jax._src.clusters import ClusterEnv
+    return next((env.name for env in ClusterEnv._cluster_types
+                 if not env.opt_in_only_method and env.is_env_present()), None)
+  except (ImportError, AttributeError):
+    return None
+
+
+def _initialize_distributed() -> None:
+  FLAGS = flags.FLAGS
+  if FLAGS.num_processes > 1:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  elif FLAGS.distributed == "auto" and (cluster := _detected_cluster()):
+    logging.info("Cluster environment %r detected: jax.distributed from its variables", cluster)
+    jax.distributed.initialize()
+    logging.info("Process %d of %d, %d devices in all", jax.process_index(),
+                 jax.process_count(), jax.device_count())
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag or config override reported in one line."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # config_flags raises KeyError, AttributeError, TypeError, ...
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    sys.exit(f"error: {message}")
 
 
 def main(argv):
@@ -129,14 +207,14 @@ def main(argv):
     sys.exit("error: --config and --workdir are required")
   # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
   logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
-  if flags.FLAGS.num_processes > 1:
-    jax.distributed.initialize(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
-                               flags.FLAGS.process_id)
+  _initialize_distributed()
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except (config_lib.ConfigError, FileNotFoundError) as e:
+  except (config_lib.ConfigError, FileNotFoundError, train_lib.NonFiniteError,
+          checkpoint.CheckpointDamagedError, DatasetError, TokenizerError) as e:
+    logging.flush()
     sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

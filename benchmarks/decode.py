@@ -32,7 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import interleaved, load_config  # noqa: E402
-from transformer_jax import config as config_lib, inference  # noqa: E402
+from transformer_jax import config as config_lib, generation  # noqa: E402
+from transformer_jax.translator import Translator  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
 
@@ -49,7 +50,7 @@ def main():
   args = parser.parse_args()
 
   if args.workdir:
-    translator = inference.Translator(args.workdir)
+    translator = Translator(args.workdir)
     model, params = translator.model, translator.params
   else:
     config = load_config(args.config)
@@ -61,7 +62,7 @@ def main():
 
   @functools.partial(jax.jit, static_argnames=("beam_size",))
   def ours(params, src, beam_size):
-    return inference.generate(model, params, src, out_len, beam_size=beam_size)
+    return generation.generate(model, params, src, out_len, beam_size=beam_size)
 
   @jax.jit
   def forward(params, src, prefix):  # Full pass over the whole prefix buffer: [B, out_len, V].

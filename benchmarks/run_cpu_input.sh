@@ -15,9 +15,9 @@ parts=${*:-pipeline first_step_1m first_step_5m train}
 py=${PYTHON:-.venv/bin/python}
 mkdir -p "$out"
 
-pipeline() {  # Tokenize + pack throughput, 1 and 2 grain workers, 300k pairs of the 1M corpus.
+pipeline() {  # Tokenize + pack throughput, 1 and 2 grain workers, the whole 1M corpus.
   $py benchmarks/input_pipeline.py --config configs/synthetic.py --set data_dir="$synth1m" \
-      --set tfds_dir="$synth1m/tfds" --pairs 300000 --workers 1 2 --batches 200 \
+      --set tfds_dir="$synth1m/tfds" --workers 1 2 --batches 200 \
       --json "$out/input_pipeline.json" 2>&1 | tee "$out/input_pipeline.log"
 }
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax import decode, inference
+from transformer_jax import decode, generation
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
+from transformer_jax.generation import SPECIALS
 from transformer_jax.model import Transformer
 
 
@@ -29,8 +30,8 @@ def test_cached_steps_equal_the_teacher_forced_forward_pass(pre_ln):
   tgt = jnp.array([[BOS, 20, 21, 22, 23], [BOS, 30, 31, 32, 33]])
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), src, tgt)["params"])
   full = model.apply({"params": params}, src, tgt)  # [B, T, V]
-  cache = inference.encode_and_cache(model, params, src, max_len=8)
-  step = inference.tokens_to_logits_fn(model, params)
+  cache = generation.encode_and_cache(model, params, src, max_len=8)
+  step = generation.tokens_to_logits_fn(model, params)
   for t in range(tgt.shape[1]):
     logits, cache = step(tgt[:, t:t + 1], cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
@@ -42,8 +43,8 @@ def test_a_source_alone_and_inside_a_padded_batch_decode_the_same(tiny):
   alone = jnp.array([[11, 12, 13, 2]])
   batch = jnp.array([[11, 12, 13, 2, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10, 11, 2]])
   for beam in (1, 3):
-    a = inference.generate(model, params, alone, 6, beam_size=beam)
-    b = inference.generate(model, params, batch, 6, beam_size=beam)
+    a = generation.generate(model, params, alone, 6, beam_size=beam)
+    b = generation.generate(model, params, batch, 6, beam_size=beam)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
 
 
@@ -88,8 +89,8 @@ def test_large_beam_finds_the_exhaustive_optimum(seed):
   table = table - np.log(np.exp(table).sum(-1, keepdims=True))
   best, best_seq = _exhaustive_best(table, alpha=0.6)
   cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
-  tokens, scores = decode.beam_search(_fake_model(table), cache, 1, 4, beam_size=16, alpha=0.6)
-  assert decode.strip(tokens[0, 0]) + [EOS] == best_seq
+  tokens, scores = decode.beam_search(_fake_model(table), cache, 1, 4, SPECIALS, beam_size=16, alpha=0.6)
+  assert decode.strip(tokens[0, 0], SPECIALS) + [EOS] == best_seq
   np.testing.assert_allclose(float(scores[0, 0]), best, rtol=1e-5)
 
 
@@ -97,14 +98,14 @@ def test_beam_one_temperature_zero_and_top_k_one_equal_greedy():
   table = _random_table(7, length=6)
   cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((3,))}
   fake = _fake_model(table)
-  greedy = decode.sample(fake, cache, 3, 6)
-  beam1, _ = decode.beam_search(fake, cache, 3, 6, beam_size=1, alpha=0.0)
+  greedy = decode.sample(fake, cache, 3, 6, SPECIALS)
+  beam1, _ = decode.beam_search(fake, cache, 3, 6, SPECIALS, beam_size=1, alpha=0.0)
   np.testing.assert_array_equal(np.asarray(beam1[:, 0]), np.asarray(greedy))
-  cold = decode.sample(fake, cache, 3, 6, decode.Sampling(temperature=1e-4), jax.random.PRNGKey(3))
+  cold = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(temperature=1e-4), jax.random.PRNGKey(3))
   np.testing.assert_array_equal(np.asarray(cold), np.asarray(greedy))
-  top1 = decode.sample(fake, cache, 3, 6, decode.Sampling(top_k=1), jax.random.PRNGKey(4))
+  top1 = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(top_k=1), jax.random.PRNGKey(4))
   np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
-  nucleus = decode.sample(fake, cache, 3, 6, decode.Sampling(top_p=1e-6), jax.random.PRNGKey(5))
+  nucleus = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(top_p=1e-6), jax.random.PRNGKey(5))
   np.testing.assert_array_equal(np.asarray(nucleus), np.asarray(greedy))
 
 
@@ -114,7 +115,7 @@ def test_rows_emit_padding_after_eos():
   table[1, 4, EOS] = 0.0
   table[2:, :, 4] = 0.0
   cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
-  out = decode.sample(_fake_model(table), cache, 1, 5)
+  out = decode.sample(_fake_model(table), cache, 1, 5, SPECIALS)
   assert out.tolist() == [[4, EOS, PAD, PAD, PAD]]
 
 
@@ -122,8 +123,9 @@ def test_decoding_compiles_once_per_batch_and_length(tiny):
   model, params = tiny
   traced = chex.assert_max_traces(decode.sample, n=2)
   chex.clear_trace_counter()
-  fn = jax.jit(lambda p, s: traced(inference.tokens_to_logits_fn(model, p),
-                                   inference.encode_and_cache(model, p, s, 7), s.shape[0], 7))
+  fn = jax.jit(lambda p, s: traced(generation.tokens_to_logits_fn(model, p),
+                                   generation.encode_and_cache(model, p, s, 7), s.shape[0], 7,
+                                   SPECIALS))
   src = jnp.array([[5, 6, 2, 0]])
   for _ in range(3):  # Same shapes: one trace, whatever the number of decoded tokens.
     fn(params, src)

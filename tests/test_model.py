@@ -124,7 +124,7 @@ def _stack_layers(params, num_encoder, num_decoder):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scanned_layers_give_the_unscanned_outputs(remat):
-  from transformer_jax import inference
+  from transformer_jax import generation
   cfg = tiny_model_config(num_encoder_layers=3, num_decoder_layers=2)
   scanned_cfg = dataclasses.replace(cfg, scan_layers=True, remat=remat)
   src = jnp.array([[5, 6, 7, 2, 0], [8, 2, 0, 0, 0]])
@@ -147,8 +147,8 @@ def test_scanned_layers_give_the_unscanned_outputs(remat):
       np.asarray(g_full["decoder_1"]["ffn"]["wo"]["kernel"]), rtol=1e-4, atol=1e-6)
   # Cached decoding of the scanned model matches the teacher-forced pass.
   model = Transformer(scanned_cfg)
-  cache = inference.encode_and_cache(model, stacked, src, 6)
-  step = inference.tokens_to_logits_fn(model, stacked)
+  cache = generation.encode_and_cache(model, stacked, src, 6)
+  step = generation.tokens_to_logits_fn(model, stacked)
   for t in range(tgt.shape[1]):
     logits, cache = step(tgt[:, t:t + 1], cache)
     real = np.asarray(tgt[:, t] != 0)

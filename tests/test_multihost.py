@@ -3,6 +3,8 @@ data-parallel run, and a run that moves between 2 processes and 1 (4 devices eit
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -67,3 +69,43 @@ def test_resuming_on_another_number_of_processes_sees_the_same_batches(tmp_path,
       assert moved[step]["train/tokens"] == straight[step]["train/tokens"], step
       np.testing.assert_allclose(moved[step]["train/loss"], straight[step]["train/loss"],
                                  rtol=2e-4, err_msg=f"step {step}")
+
+
+def test_slurm_environment_two_processes_stop_together_on_sigterm(tmp_path, tfds_dir,
+                                                                 fra_eng_builder):
+  """Two processes that find each other from SLURM's variables alone (no --num_processes);
+  a SIGTERM to one of them stops both at the same step, each after the same checkpoint."""
+  job_id = next(j for j in range(1000, 5096)
+                if portpicker.is_port_free(j % 4096 + 65535 - 4096 + 1))
+  cmd = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
+         "--workdir", str(tmp_path), f"--config.data_dir={DATA / 'fra-eng'}",
+         f"--config.tfds_dir={tfds_dir}", "--config.num_steps=100000",
+         "--config.mesh_shape=(2,1,1)", "--config.num_bleu_sentences=0",
+         "--config.log_every=1", "--config.num_workers=0", "--config.eval_every=100000",
+         "--config.checkpoint_every=100000"]
+  procs = []
+  for rank in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))
+    out = subprocess.PIPE if rank else open(tmp_path.parent / "rank0.log", "w")
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, text=True))
+  lines = []
+  for line in procs[1].stdout:  # Both run in step; stop once process 1 has logged step 5.
+    lines.append(line)
+    if "] [5] steps_per_sec" in line:
+      break
+  else:
+    raise AssertionError("".join(lines[-40:]))
+  procs[1].send_signal(signal.SIGTERM)
+  logs = ["".join(lines) + procs[1].communicate(timeout=120)[0]]
+  procs[0].wait(timeout=120)
+  logs.insert(0, (tmp_path.parent / "rank0.log").read_text())
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
+  assert all("Cluster environment 'slurm' detected" in log for log in logs)
+  stops = [re.findall(r"Stopped at step (\d+) by a signal", log) for log in logs]
+  assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+  step = int(stops[0][0])
+  assert step >= 5
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [str(step)]

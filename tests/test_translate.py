@@ -8,7 +8,8 @@ import pytest
 import train
 from tests.conftest import DATA, ROOT
 from transformer_jax import metrics
-from transformer_jax.inference import DecodeOptions, InferenceError, Translator
+from transformer_jax.generation import DecodeOptions, InferenceError
+from transformer_jax.translator import Translator
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +52,49 @@ def test_translate_file_with_reference_prints_sacrebleu(d2l_workdir, tmp_path):
   assert "BLEU = " in result.stdout and "tok:13a" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+  d = tmp_path_factory.mktemp("inputs")
+  (d / "latin1.txt").write_bytes("I lost.\nJ'ai \xe9t\xe9 l\xe0.\n".encode("latin-1"))
+  (d / "ok.txt").write_text("I lost.\n")
+  (d / "a_file").write_text("")
+  return d
+
+
 @pytest.mark.parametrize("args,message", [
     (["--step", "7", "I lost."], "no checkpoint for step 7"),
-    (["I lost.", " "], "sentence 2 is empty"),
+    (["--input", "{d}/latin1.txt"], "{d}/latin1.txt line 2 is not UTF-8 text (byte 5: b'\\xe9')"),
+    (["--batch_size", "0", "--input", "{d}/ok.txt"], "--batch_size must be at least 1, got 0"),
+    (["--max_len", "100000", "Go."], "--max_len 100000 is over 36, 4 x the max_len the model"),
+    (["--input", "{d}/ok.txt", "--output", "{d}/missing/out.txt"],
+     "--output {d}/missing/out.txt: directory {d}/missing does not exist"),
 ])
-def test_translate_errors_are_one_line(d2l_workdir, args, message):
-  result = _cli("--workdir", str(d2l_workdir), *args)
+def test_translate_errors_are_one_line_and_write_nothing(d2l_workdir, bad_inputs, args, message):
+  before = sorted(p.name for p in bad_inputs.iterdir())
+  result = _cli("--workdir", str(d2l_workdir), *[a.format(d=bad_inputs) for a in args])
   assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+  assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message.format(d=bad_inputs)}")
+  assert "Traceback" not in result.stderr and result.stdout == ""
+  assert sorted(p.name for p in bad_inputs.iterdir()) == before
+
+
+def test_empty_lines_translate_to_empty_lines_in_place(d2l_workdir, tmp_path):
+  (tmp_path / "in.txt").write_text("I lost.\n\n   \nI'm home.\n")
+  result = _cli("--workdir", str(d2l_workdir), "--input", str(tmp_path / "in.txt"),
+                "--beam_size", "1", "--batch_size", "4")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines() == ["j'ai perdu .", "", "", "je suis chez moi ."]
+
+
+def test_visualize_refuses_an_out_that_is_a_file(d2l_workdir, tmp_path):
+  (tmp_path / "taken").write_text("keep me")
+  result = subprocess.run([sys.executable, "-m", "transformer_jax.visualize", "--workdir",
+                           str(d2l_workdir), "--out", str(tmp_path / "taken"), "I lost."],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      f"error: --out {tmp_path / 'taken'} is a file; it must name a directory")
+  assert (tmp_path / "taken").read_text() == "keep me"
 
 
 def test_missing_checkpoint_and_corrupt_tokenizer(d2l_workdir, tmp_path):
@@ -69,7 +105,7 @@ def test_missing_checkpoint_and_corrupt_tokenizer(d2l_workdir, tmp_path):
   broken = tmp_path / "broken"
   shutil.copytree(d2l_workdir, broken)
   (broken / "vocab.json").write_text("{not json")
-  with pytest.raises(ValueError, match="corrupt tokenizer"):
+  with pytest.raises(ValueError, match=r"vocab.json is damaged or empty"):
     Translator(broken)
   shutil.rmtree(broken / "checkpoints")
   (broken / "vocab.json").write_text((d2l_workdir / "vocab.json").read_text())

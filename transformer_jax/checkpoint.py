@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from transformer_jax import sharding
 
@@ -15,12 +19,54 @@ class CheckpointNotFoundError(FileNotFoundError):
   pass
 
 
+class CheckpointDamagedError(RuntimeError):
+  """No checkpoint of a directory could be read back and verified."""
+
+
+_WEIGHTS = (np.uint32(2654435761), np.uint32(2246822519))
+
+
+@jax.jit
+def fingerprints(tree) -> list[jax.Array]:
+  """Per leaf, two position-weighted sums of its bits mod 2**32 ([2] uint32), computed where the
+  leaf lives. A change of any single value changes both; the sums are exact integers, so they do
+  not depend on the sharding."""
+  out = []
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_ or x.dtype.itemsize == 1:
+      bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 2:
+      bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:  # 4 bytes as they are; 8 bytes as two uint32 words.
+      bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits.reshape(-1)
+    i = jnp.arange(bits.size, dtype=jnp.uint32)
+    out.append(jnp.stack([jnp.sum(bits * (i * w + np.uint32(2 * k + 1)), dtype=jnp.uint32)
+                          for k, w in enumerate(_WEIGHTS)]))
+  return out
+
+
+def fingerprint_dict(tree, prefix: str = "") -> dict[str, list[int]]:
+  """{prefix + leaf path: fingerprint} of a pytree, as plain ints (JSON)."""
+  paths = [prefix + jax.tree_util.keystr(p)
+           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return {p: [int(v) for v in np.asarray(f)] for p, f in zip(paths, fingerprints(tree))}
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
 class Checkpointer:
   """Asynchronous, rotating checkpoints under `directory` (one folder per step).
 
-  Each holds `state` (params, optimizer state, step, dropout key) and `data` (the position of
+  Each holds `state` (params, optimizer state, step, dropout key), `data` (the position of
   the global batch stream, a small JSON object that is the same on every host), so a resumed
-  run, on any number of hosts, sees the same batches and dropout masks.
+  run, on any number of hosts, sees the same batches and dropout masks, and `fingerprints` of
+  every array of `state`, checked when it is read back: a checkpoint that fails to read or to
+  verify is reported by step and the one before it is used.
   """
 
   def __init__(self, directory: str | Path, save_every: int, keep: int, read_only: bool = False):
@@ -37,7 +83,32 @@ class Checkpointer:
   def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
     """Saves if `step` is on the interval (or `force`); returns whether it did."""
     return self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        fingerprints=ocp.args.JsonSave(fingerprint_dict(state))), force=force)
+
+  def restore_latest(self, state_like, state_shardings) -> tuple[int, object, dict] | None:
+    """(step, state, data position) of the newest checkpoint that reads back and verifies;
+    None where there is no checkpoint. Damaged ones are reported, renamed `damaged-STEP` (so
+    that rotation never deletes a good one in their favour) and passed over.
+
+    Raises:
+      CheckpointDamagedError: every checkpoint is damaged.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        state, data = self.restore(step, state_like, state_shardings)
+        self._verify(step, state)
+        return step, state, data
+      except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
+        logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one "
+                        "before it", step, self.directory, _first_line(e))
+        self._set_aside(step)
+    if steps:
+      raise CheckpointDamagedError(
+          f"every checkpoint in {self.directory} is damaged (steps {sorted(steps)}, now "
+          "renamed damaged-STEP); delete the directory to start again")
+    return None
 
   def restore(self, step: int, state_like, state_shardings) -> tuple[object, dict]:
     """(state restored into `state_shardings`, data position) of a checkpoint.
@@ -52,9 +123,29 @@ class Checkpointer:
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     return restored.state, restored.data
 
+  def restore_params_latest(self, boxed_params_like, mesh) -> tuple[int, object]:
+    """(step, params) of the newest checkpoint whose parameters read back and verify; damaged
+    ones are reported and passed over (nothing on disk is changed).
+
+    Raises:
+      CheckpointNotFoundError: there is no checkpoint.
+      CheckpointDamagedError: every checkpoint is damaged.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
+      raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
+    for step in steps:
+      try:
+        return step, self.restore_params(step, boxed_params_like, mesh)
+      except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
+        logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one "
+                        "before it", step, self.directory, _first_line(e))
+    raise CheckpointDamagedError(f"every checkpoint in {self.directory} is damaged "
+                                 f"(steps {sorted(steps)})")
+
   def restore_params(self, step: int, boxed_params_like, mesh):
     """Only the parameters of a checkpoint (no optimizer state), sharded over `mesh` by their
-    logical axis names.
+    logical axis names, verified against its fingerprints.
 
     Args:
       boxed_params_like: abstract parameters still boxed with logical axis names.
@@ -67,13 +158,45 @@ class Checkpointer:
     restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))
+    self._verify(step, restored.state["params"], prefix=".params")
     return restored.state["params"]
+
+  def _verify(self, step: int, tree, prefix: str = "") -> None:
+    """Raises ValueError where `tree`'s arrays (the state, or its part at `prefix`) differ from
+    the fingerprints saved with them."""
+    path = self.directory / str(step) / "fingerprints"
+    if not path.exists():  # Written before fingerprints existed: nothing to check against.
+      logging.warning("The checkpoint of step %d has no fingerprints: not verified", step)
+      return
+    saved = self.manager.restore(step, args=ocp.args.Composite(
+        fingerprints=ocp.args.JsonRestore())).fingerprints
+    got = fingerprint_dict(tree, prefix)  # A part of the state: its paths carry `prefix`.
+    bad = [k for k, v in got.items() if saved.get(k) != v]
+    if bad:
+      raise ValueError(f"{len(bad)} arrays differ from their fingerprints, e.g. {bad[0]}")
+
+  def _set_aside(self, step: int) -> None:
+    """Renames a damaged checkpoint out of the manager's sight (process 0 only)."""
+    if jax.process_index() == 0:
+      source, target = self.directory / str(step), self.directory / f"damaged-{step}"
+      if source.exists():
+        if target.exists():
+          shutil.rmtree(target)
+        source.rename(target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
+    self.manager.reload()
 
   def _check_step(self, step: int) -> None:
     if step not in self.manager.all_steps():
       raise CheckpointNotFoundError(
           f"no checkpoint for step {step} in {self.directory} "
           f"(found: {sorted(self.manager.all_steps()) or 'none'})")
+
+  def wait(self) -> None:
+    """Blocks until the checkpoint being written is on disk."""
+    self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.wait_until_finished()

@@ -40,11 +40,26 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check(config[field] > 0, f"{field}={config[field]} must be positive")
   _check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
   _check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
+  _check(config.warmup_steps >= 0, f"warmup_steps={config.warmup_steps} must be >= 0 (0: none)")
+  _check(config.grad_clip >= 0,
+         f"grad_clip={config.grad_clip} must be >= 0 (a gradient-norm bound; 0: no clipping)")
+  _check(config.weight_decay >= 0, f"weight_decay={config.weight_decay} must be >= 0")
+  _check(0 <= config.adam_b1 < 1 and 0 <= config.adam_b2 < 1 and config.adam_eps >= 0,
+         f"adam_b1={config.adam_b1}, adam_b2={config.adam_b2} must be in [0, 1) and "
+         f"adam_eps={config.adam_eps} >= 0")
+  _check(config.nonfinite in ("stop", "skip"),
+         f"nonfinite={config.nonfinite!r} must be 'stop' or 'skip'")
+  _check(config.max_nonfinite_in_row > 0,
+         f"max_nonfinite_in_row={config.max_nonfinite_in_row} must be positive")
+  _check(config.nan_at_step >= 0, f"nan_at_step={config.nan_at_step} must be >= 0 (0: never)")
   _check(0 <= config.label_smoothing < 1,
          f"label_smoothing={config.label_smoothing} must be in [0, 1)")
   _check(len(config.mesh_shape) == 3,
          f"mesh_shape={tuple(config.mesh_shape)} must have 3 entries (data, fsdp, tensor)")
   m = config.model
+  for field in ("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers"):
+    _check(isinstance(m[field], int) and m[field] > 0,
+           f"model.{field}={m[field]!r} must be a positive integer")
   _check(m.d_model % m.num_heads == 0,
          f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
   _check(m.d_model % 2 == 0, f"model.d_model={m.d_model} must be even (sinusoidal positions)")
@@ -54,6 +69,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"model.attention_impl={m.attention_impl!r} must be auto, xla or cudnn")
   _check(not m.share_embeddings or config.tokenizer == "sentencepiece",
          "model.share_embeddings needs the joint sentencepiece tokenizer")
+
+
+def checked_mesh(config: ml_collections.ConfigDict):
+  """The device mesh of `mesh_shape`, after checking that the devices present make it and
+  that the batch sizes split over its data-parallel axes."""
+  from transformer_jax import sharding
+  import jax
+  try:
+    mesh = sharding.make_mesh(config.mesh_shape)
+  except ValueError as e:
+    raise ConfigError(f"mesh_shape={tuple(config.mesh_shape)}: {e} "
+                      f"({jax.device_count()} {jax.default_backend()} devices)") from None
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  for field in ("batch_size", "eval_batch_size"):
+    _check(config[field] % data_parallel == 0,
+           f"{field}={config[field]} does not split over the mesh's {data_parallel} "
+           "data-parallel devices (data x fsdp); use a multiple of it")
+  return mesh
 
 
 def padded_vocab(size: int, multiple: int = 128) -> int:
@@ -131,11 +164,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.num_steps = 10_000
   c.schedule = "rsqrt"
   c.learning_rate = 7e-4  # Peak; the paper's d_model**-0.5 * warmup**-0.5 at base size.
-  c.warmup_steps = 4000
+  c.warmup_steps = 4000  # Linear warmup from 0; 0: none (rsqrt then decays from step 1).
   c.adam_b1, c.adam_b2, c.adam_eps = 0.9, 0.98, 1e-9
   c.weight_decay = 0.0
-  c.grad_clip = 1.0
+  c.grad_clip = 1.0  # Global gradient-norm bound; 0: no clipping.
   c.label_smoothing = 0.1
+  # A step with a non-finite loss or gradient never changes the parameters. "stop": exit with
+  # an error naming it; "skip": go on (counted in the log), until max_nonfinite_in_row in a row.
+  c.nonfinite = "stop"
+  c.max_nonfinite_in_row = 10
+  c.nan_at_step = 0  # Tests: make this step's loss NaN (0: never).
 
   c.compilation_cache_dir = ""  # JAX's persistent compilation cache; empty: WORKDIR/jax_cache.
   c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices.

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from transformer_jax.data.tokenizer import BOS, EOS, PAD
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 NEG_INF = -1e9
@@ -61,8 +60,16 @@ class Sampling:
     return jax.random.categorical(rng, logits, axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Specials:
+  """The ids decoding treats specially: the first input, the end of a sentence, padding."""
+  bos: int
+  eos: int
+  pad: int
+
+
 def sample(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
-           sampler=Greedy(), rng: jax.Array | None = None) -> jax.Array:
+           specials: Specials, sampler=Greedy(), rng: jax.Array | None = None) -> jax.Array:
   """Generates [B, max_len] tokens; after <eos> a row emits <pad>."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
 
@@ -70,10 +77,10 @@ def sample(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: in
     cache, last, done = carry
     logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
     token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
-    token = jnp.where(done, PAD, token)
-    return (cache, token, done | (token == EOS)), token
+    token = jnp.where(done, specials.pad, token)
+    return (cache, token, done | (token == specials.eos)), token
 
-  init = (cache, jnp.full((batch_size,), BOS, jnp.int32), jnp.zeros((batch_size,), bool))
+  init = (cache, jnp.full((batch_size,), specials.bos, jnp.int32), jnp.zeros((batch_size,), bool))
   _, tokens = lax.scan(step, init, jnp.arange(max_len))  # [L, B]
   return tokens.T
 
@@ -100,7 +107,8 @@ def tile_beams(tree, beams: int):
 
 
 def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
-                beam_size: int = 4, alpha: float = 0.6) -> tuple[jax.Array, jax.Array]:
+                specials: Specials, beam_size: int = 4,
+                alpha: float = 0.6) -> tuple[jax.Array, jax.Array]:
   """Beam search with GNMT's length penalty; `cache` is per sentence ([B, ...] leaves).
 
   Stops early once no live beam can beat the finished ones.
@@ -130,7 +138,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
     beam, token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
     seqs = jnp.take_along_axis(live_seqs, beam[:, :, None], axis=1)  # [B, 2K, L+1]
     seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))
-    is_eos = token == EOS
+    is_eos = token == specials.eos
 
     # Live: the K best candidates that did not just end.
     alive_logp = jnp.where(is_eos, NEG_INF, top_logp)
@@ -148,7 +156,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
     fin_flags = jnp.take_along_axis(all_flags, pick, axis=1)
     return i + 1, live_seqs, alive_logp, fin_seqs, fin_scores, fin_flags, cache
 
-  seqs = jnp.zeros((b, k, max_len + 1), jnp.int32).at[:, :, 0].set(BOS)
+  seqs = jnp.zeros((b, k, max_len + 1), jnp.int32).at[:, :, 0].set(specials.bos)
   live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
   state = (jnp.array(0), seqs, live_logp, seqs, jnp.full((b, k), NEG_INF), jnp.zeros((b, k), bool),
            cache)
@@ -157,20 +165,21 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
   any_fin = fin_flags.any(-1)
   tokens = jnp.where(any_fin[:, None, None], fin_seqs, live_seqs)[:, :, 1:]
   scores = jnp.where(any_fin[:, None], fin_scores, live_logp / max_penalty)
-  return _pad_after_eos(tokens), scores
+  return _pad_after_eos(tokens, specials), scores
 
 
-def _pad_after_eos(tokens: jax.Array) -> jax.Array:
+def _pad_after_eos(tokens: jax.Array, specials: Specials) -> jax.Array:
   """Everything after the first <eos> becomes <pad>."""
-  after = jnp.cumsum(tokens == EOS, axis=-1) - (tokens == EOS) > 0
-  return jnp.where(after, PAD, tokens)
+  eos = tokens == specials.eos
+  after = jnp.cumsum(eos, axis=-1) - eos > 0
+  return jnp.where(after, specials.pad, tokens)
 
 
-def strip(tokens: np.ndarray) -> list[int]:
+def strip(tokens: np.ndarray, specials: Specials) -> list[int]:
   """A row of output tokens up to (not including) <eos>."""
   out = []
   for t in np.asarray(tokens).tolist():
-    if t in (EOS, PAD):
+    if t in (specials.eos, specials.pad):
       break
     out.append(t)
   return out

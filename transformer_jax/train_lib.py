@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax.training import train_state
 from jax.sharding import Mesh
 
@@ -44,7 +45,9 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   if cfg.schedule == "constant":
     return optax.constant_schedule(peak)
   if cfg.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, cfg.num_steps)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(cfg.num_steps, warmup + 1))
+  if warmup == 0:
+    return lambda s: peak * jax.lax.rsqrt(s + 1.0)
   return optax.join_schedules(
       [optax.linear_schedule(0.0, peak, warmup),
        lambda s: peak * jnp.sqrt(warmup / jnp.maximum(s + warmup, 1.0))],  # s: steps after warmup.
@@ -52,10 +55,10 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-  """Global-norm clipping then Adam(W) with the config's betas, epsilon and schedule."""
+  """Global-norm clipping (none where grad_clip is 0) then Adam(W) with the config's betas, epsilon and schedule."""
   decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
   return optax.chain(
-      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
       optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mask=decay_mask))
 
@@ -139,20 +142,84 @@ def _apply(apply_fn, params, batch: Batch, deterministic: bool, rngs=None):
                   deterministic=deterministic, rngs=rngs)
 
 
-def train_step(state: TrainState, batch: Batch, label_smoothing: float):
-  """One optimizer step on the mean smoothed loss per real target token."""
+def train_step(state: TrainState, batch: Batch, label_smoothing: float, nan_at_step: int = 0):
+  """One optimizer step on the mean smoothed loss per real target token.
+
+  A step whose loss or gradient norm is not finite changes nothing but the step count: its
+  update is dropped on the device, and `metrics["nonfinite"]` is 1 (the host reads it when it
+  logs; see NonFiniteGuard). `nan_at_step` > 0 makes that step's loss and gradients NaN (a
+  fault injected by tests).
+  """
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
   def loss_fn(params):
     logits = _apply(state.apply_fn, params, batch, False, {"dropout": dropout_rng})
     sums = cross_entropy(logits, batch["targets"], batch["targets_segment_ids"] > 0,
                          label_smoothing)
-    return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0), sums
+    loss = sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0)
+    if nan_at_step:
+      loss = loss * jnp.where(state.step + 1 == nan_at_step, jnp.nan, 1.0)
+    return loss, sums
 
   (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new_state = state.apply_gradients(grads=grads)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new_state = new_state.replace(params=keep(new_state.params, state.params),
+                                opt_state=keep(new_state.opt_state, state.opt_state))
   metrics = {"loss": loss, "nll": sums["nll_sum"] / jnp.maximum(sums["tokens"], 1.0),
-             "grad_norm": optax.global_norm(grads), "tokens": sums["tokens"]}
-  return state.apply_gradients(grads=grads), metrics
+             "grad_norm": grad_norm, "tokens": sums["tokens"],
+             "nonfinite": 1.0 - finite.astype(jnp.float32)}
+  return new_state, metrics
+
+
+class NonFiniteError(RuntimeError):
+  """Training met non-finite losses it was told not to go on with."""
+
+
+class NonFiniteGuard:
+  """The host side of train_step's non-finite flag, read only where the loop syncs anyway (log
+  steps, checkpoints).
+
+  `stop`: the first flagged step raises NonFiniteError naming it. `skip`: flagged steps are
+  counted (their updates were dropped on the device); `max_in_row` of them in a row raise.
+  """
+
+  def __init__(self, mode: str, max_in_row: int):
+    self.mode, self.max_in_row = mode, max_in_row
+    self.pending: list[tuple[int, jax.Array]] = []
+    self.skipped = self.in_row = 0
+
+  def record(self, step: int, nonfinite: jax.Array) -> None:
+    self.pending.append((step, nonfinite))
+
+  def check(self) -> None:
+    pending, self.pending = self.pending, []
+    for step, flag in pending:
+      if not float(flag):
+        self.in_row = 0
+        continue
+      if self.mode == "stop":
+        raise NonFiniteError(
+            f"non-finite loss or gradients at step {step} (its update was dropped; nothing "
+            "after the last checkpoint is saved). Lower learning_rate, or set "
+            "nonfinite='skip' to skip such steps")
+      self.skipped += 1
+      self.in_row += 1
+      logging.warning("Step %d: non-finite loss or gradients, update skipped (%d so far)", step,
+                      self.skipped)
+      if self.in_row >= self.max_in_row:
+        raise NonFiniteError(f"{self.in_row} non-finite steps in a row, the last at step {step} "
+                             f"(max_nonfinite_in_row={self.max_in_row})")
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point value in `tree` is finite (one device scalar)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
@@ -161,10 +228,11 @@ def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
   return cross_entropy(logits, batch["targets"], batch["targets_segment_ids"] > 0)
 
 
-def jit_steps(state_shardings, mesh: Mesh, label_smoothing: float):
+def jit_steps(state_shardings, mesh: Mesh, label_smoothing: float, nan_at_step: int = 0):
   """train_step and eval_step jitted once with shardings; the train state is donated."""
   batch_sh, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  p_train = jax.jit(functools.partial(train_step, label_smoothing=label_smoothing),
+  p_train = jax.jit(functools.partial(train_step, label_smoothing=label_smoothing,
+                                      nan_at_step=nan_at_step),
                     in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, rep),
                     donate_argnums=0)
   p_eval = jax.jit(eval_step, in_shardings=(state_shardings, batch_sh), out_shardings=rep)

@@ -19,13 +19,15 @@ from absl import app, flags, logging
 
 from transformer_jax import checkpoint
 from transformer_jax.metrics import corpus_bleu
-from transformer_jax.inference import DecodeOptions, InferenceError, Translator
+from transformer_jax.generation import DecodeOptions, InferenceError
+from transformer_jax.translator import Translator
 
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
                     batch_size: int, progress: bool = True) -> list[str]:
-  """Translates many sentences, batched by similar length, in the input order."""
-  order = sorted(range(len(lines)), key=lambda i: len(lines[i]))
+  """Translates many sentences, batched by similar length, in the input order; an empty (or
+  blank) line translates to an empty line."""
+  order = sorted((i for i in range(len(lines)) if lines[i].strip()), key=lambda i: len(lines[i]))
   out = [""] * len(lines)
   batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
   for batch in tqdm.tqdm(batches, desc="translating", unit="batch", disable=not progress):
@@ -37,11 +39,28 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
   return out
 
 
-def _read_lines(path: str) -> list[str]:
+def read_lines(path: str) -> list[str]:
+  """The lines of a UTF-8 text file; an error names the first line that is not UTF-8."""
   p = Path(path)
   if not p.is_file():
-    raise InferenceError(f"{path} does not exist")
-  return p.read_text(encoding="utf-8").splitlines()
+    raise InferenceError(f"{path} does not exist or is not a file")
+  lines = []
+  for number, raw in enumerate(p.read_bytes().splitlines(), 1):
+    try:
+      lines.append(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise InferenceError(f"{path} line {number} is not UTF-8 text (byte {e.start + 1}: "
+                           f"{raw[e.start:e.start + 1]!r})") from None
+  return lines
+
+
+def check_output_path(path: str) -> None:
+  """Raises before any work where `path` cannot be written as a file."""
+  p = Path(path)
+  if p.is_dir():
+    raise InferenceError(f"--output {path} is a directory")
+  if not p.parent.is_dir():
+    raise InferenceError(f"--output {path}: directory {p.parent} does not exist")
 
 
 def define_flags():
@@ -61,23 +80,32 @@ def main(argv):
   FLAGS = flags.FLAGS
   sentences = argv[1:]
   try:
-    if FLAGS.workdir is None:
+    if not FLAGS.workdir:
       raise InferenceError("--workdir is required")
     if bool(sentences) == bool(FLAGS.input):
       raise InferenceError("give either sentences as arguments or --input FILE")
     if FLAGS.beam_size < 1:
       raise InferenceError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
-    translator = Translator(FLAGS.workdir, FLAGS.step)
-    options = DecodeOptions(beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, max_len=FLAGS.max_len)
-    if sentences:
-      for line in translator.translate(sentences, options):
-        print(line)
-      return
-    lines = _read_lines(FLAGS.input)
-    references = _read_lines(FLAGS.reference) if FLAGS.reference else None
+    if FLAGS.batch_size < 1:
+      raise InferenceError(f"--batch_size must be at least 1, got {FLAGS.batch_size}")
+    if FLAGS.max_len < 0:
+      raise InferenceError(f"--max_len must be 0 (source length + 10) or positive, got "
+                           f"{FLAGS.max_len}")
+    if FLAGS.output:
+      check_output_path(FLAGS.output)
+    lines = read_lines(FLAGS.input) if FLAGS.input else sentences
+    references = read_lines(FLAGS.reference) if FLAGS.reference else None
     if references is not None and len(references) != len(lines):
       raise InferenceError(f"--reference has {len(references)} lines, --input {len(lines)}")
-    hypotheses = translate_lines(translator, lines, options, FLAGS.batch_size)
+    translator = Translator(FLAGS.workdir, FLAGS.step)
+    limit = translator.max_output_len
+    if FLAGS.max_len > limit:
+      raise InferenceError(f"--max_len {FLAGS.max_len} is over {limit}, 4 x the max_len the "
+                           "model was trained with")
+    options = DecodeOptions(beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, max_len=FLAGS.max_len)
+    batch_size = FLAGS.batch_size if FLAGS.input else max(1, len(lines))
+    hypotheses = translate_lines(translator, lines, options, batch_size,
+                                 progress=bool(FLAGS.input))
     if FLAGS.output:
       Path(FLAGS.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     else:

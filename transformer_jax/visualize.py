@@ -24,10 +24,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import checkpoint, decode  # noqa: E402
+from transformer_jax import checkpoint  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
-from transformer_jax.inference import (DecodeOptions, InferenceError, Translator,  # noqa: E402
-                                       encode_sources)
+from transformer_jax.generation import (DecodeOptions, InferenceError,  # noqa: E402
+                                        encode_sources, strip)
+from transformer_jax.translator import Translator  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def attention_maps(translator: Translator, sentence: str):
   src = encode_sources(translator.tokenizers.src, [sentence], translator.max_src_len)
   src = src[:, :int((src[0] > 0).sum())]  # No padding columns in the pictures.
   out = np.asarray(translator.generate_ids(translator.params, src, src.shape[1] + 10, 1, 0.0))[0]
-  tgt_out = decode.strip(out)
+  tgt_out = strip(out)
   tgt_in = np.array([[BOS] + tgt_out], np.int32)
   model = Transformer(dataclasses.replace(translator.model_config, attention_weights=True))
   _, state = model.apply({"params": translator.params}, jnp.asarray(src), jnp.asarray(tgt_in),
@@ -95,6 +96,10 @@ def main(argv):
   try:
     if len(argv) != 2 or not FLAGS.workdir or not FLAGS.out:
       raise InferenceError("usage: visualize --workdir DIR --out DIR2 \"sentence\"")
+    if Path(FLAGS.out).exists() and not Path(FLAGS.out).is_dir():
+      raise InferenceError(f"--out {FLAGS.out} is a file; it must name a directory")
+    if not argv[1].strip():
+      raise InferenceError("the sentence is empty")
     translator = Translator(FLAGS.workdir, FLAGS.step)
     src_tokens, tgt_tokens, maps = attention_maps(translator, argv[1])
     print("translation:", translator.translate([argv[1]], DecodeOptions(beam_size=1))[0])

@@ -40,9 +40,16 @@ class LoggingWriter:
 
 
 class JsonlWriter(LoggingWriter):
-  """Appends every scalar or text write to a file as one JSON object a line, keyed by `step`."""
+  """Appends every scalar or text write to a file as one JSON object a line, keyed by `step`.
 
-  def __init__(self, path: str | Path):
+  `resume_step`: the step a run resumes from. Lines of later steps (logged by a run that died
+  before its next checkpoint) are dropped first, so the resumed run writes each step once.
+  """
+
+  def __init__(self, path: str | Path, resume_step: int = 0):
+    path = Path(path)
+    if path.exists():
+      _truncate_after(path, resume_step)
     self._file = open(path, "a", encoding="utf-8")
 
   def _write(self, record: dict) -> None:
@@ -59,6 +66,27 @@ class JsonlWriter(LoggingWriter):
 
   def close(self):
     self._file.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+  """Rewrites `path` (atomically) without its lines of steps after `step`; a torn last line
+  (a kill mid-write) goes too."""
+  kept, dropped = [], 0
+  for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+      keep = json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):
+      keep = False
+    if keep:
+      kept.append(line + "\n")
+    else:
+      dropped += 1
+  if dropped:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+    logging.info("Dropped %d lines after step %d from %s (they are logged again)", dropped,
+                 step, path)
 
 
 class TensorBoardXWriter(LoggingWriter):
@@ -141,13 +169,15 @@ def tensorflow_available() -> bool:
     return False
 
 
-def create(workdir: str | Path, is_primary: bool) -> LoggingWriter:
-  """Console on every host; on the primary also TensorBoard events and metrics.jsonl."""
+def create(workdir: str | Path, is_primary: bool, resume_step: int = 0) -> LoggingWriter:
+  """Console on every host; on the primary also TensorBoard events and metrics.jsonl (from
+  which the lines after `resume_step` are dropped)."""
   if not is_primary:
     return LoggingWriter()
   events = CluWriter if tensorflow_available() else TensorBoardXWriter
-  return MultiWriter([LoggingWriter(), events(workdir),
-                      JsonlWriter(Path(workdir) / "metrics.jsonl")])
+  # metrics.jsonl first: a step on the console is already in the file.
+  return MultiWriter([JsonlWriter(Path(workdir) / "metrics.jsonl", resume_step),
+                      events(workdir), LoggingWriter()])
 
 
 class Progress:

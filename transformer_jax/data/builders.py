@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import zipfile
 from pathlib import Path
 
@@ -31,6 +30,31 @@ def split_of(english: str) -> str:
   """
   bucket = int(hashlib.md5(english.encode("utf-8")).hexdigest(), 16) % 100
   return "train" if bucket < 96 else ("validation" if bucket < 98 else "test")
+
+
+class DatasetError(ValueError):
+  """A raw corpus file that cannot be read as the dataset it should be."""
+
+
+def _decoded(lines, name: str):
+  """(line number, text) of byte lines; an error names the first line that is not UTF-8."""
+  for number, raw in enumerate(lines, 1):
+    try:
+      yield number, raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise DatasetError(f"{name} line {number} is not UTF-8 text (byte {e.start + 1}: "
+                         f"{raw[e.start:e.start + 1]!r})") from None
+
+
+def _check_pairs(lines, name: str, expected: str) -> None:
+  """Reads a whole tab-separated file once before tfds writes anything: raises where a line is
+  not UTF-8 or where no line holds two non-empty tab-separated fields."""
+  pairs = 0
+  for _, text in _decoded(lines, name):
+    fields = text.rstrip("\r\n").split("\t")
+    pairs += len(fields) >= 2 and bool(fields[0].strip()) and bool(fields[1].strip())
+  if not pairs:
+    raise DatasetError(f"{name} holds no '{expected}' line (empty, or no tab-separated pair)")
 
 
 def _manual_dir(dl_manager) -> Path | None:
@@ -66,12 +90,14 @@ class FraEng(tfds.core.GeneratorBasedBuilder):
       source = next((p for p in candidates if p.exists()), None)
       if source is None:
         raise FileNotFoundError(f"data_dir {manual} holds neither fra-eng.zip nor fra.txt")
+    _check_pairs(_read_fra_txt(source), _fra_txt_name(source), "English<TAB>French")
     return {split: self._generate_examples(source, split)
             for split in ("train", "validation", "test")}
 
   def _generate_examples(self, source: Path, split: str):
-    for i, line in enumerate(_read_fra_txt(source)):
-      fields = line.rstrip("\n").split("\t")
+    for number, line in _decoded(_read_fra_txt(source), _fra_txt_name(source)):
+      i = number - 1
+      fields = line.rstrip("\r\n").split("\t")
       if len(fields) < 2:
         continue
       en, fr = normalize(fields[0]), normalize(fields[1])
@@ -79,14 +105,24 @@ class FraEng(tfds.core.GeneratorBasedBuilder):
         yield i, {"en": en, "fr": fr}
 
 
+def _fra_txt_name(source: Path) -> str:
+  return f"{source} (fra.txt)" if source.suffix == ".zip" else str(source)
+
+
 def _read_fra_txt(source: Path):
+  """The byte lines of fra.txt, inside the d2l zip or on its own."""
   if source.suffix == ".zip":
-    with zipfile.ZipFile(source) as zf:
-      member = next(n for n in zf.namelist() if n.endswith("fra.txt"))
-      with zf.open(member) as f:
-        yield from io.TextIOWrapper(f, encoding="utf-8")
+    try:
+      with zipfile.ZipFile(source) as zf:
+        member = next((n for n in zf.namelist() if n.endswith("fra.txt")), None)
+        if member is None:
+          raise DatasetError(f"{source} holds no fra.txt")
+        with zf.open(member) as f:
+          yield from f
+    except zipfile.BadZipFile as e:
+      raise DatasetError(f"{source} is not a readable zip file ({e})") from None
   else:
-    with open(source, encoding="utf-8") as f:
+    with open(source, "rb") as f:
       yield from f
 
 
@@ -127,10 +163,9 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
             for split in self._FILES}
 
   def _generate_examples(self, en_path: Path, tgt_path: Path):
-    with gzip.open(en_path, "rt", encoding="utf-8") as fe, \
-         gzip.open(tgt_path, "rt", encoding="utf-8") as ft:
-      for i, (en, tgt) in enumerate(zip(fe, ft)):
-        yield i, {"en": normalize(en), self._target: normalize(tgt)}
+    with gzip.open(en_path, "rb") as fe, gzip.open(tgt_path, "rb") as ft:
+      for (i, en), (_, tgt) in zip(_decoded(fe, str(en_path)), _decoded(ft, str(tgt_path))):
+        yield i - 1, {"en": normalize(en), self._target: normalize(tgt)}
 
 
 class ParallelTsv(tfds.core.GeneratorBasedBuilder):
@@ -156,13 +191,15 @@ class ParallelTsv(tfds.core.GeneratorBasedBuilder):
     for split in ("train", "validation", "test"):
       path = manual / f"{split}.tsv"
       if path.exists():
+        with open(path, "rb") as f:
+          _check_pairs(f, str(path), "source<TAB>target")
         splits[split] = self._generate_examples(path)
       elif split != "test":
         raise FileNotFoundError(f"data_dir {manual} has no {split}.tsv")
     return splits
 
   def _generate_examples(self, path: Path):
-    with open(path, encoding="utf-8") as f:
-      for i, line in enumerate(f):
-        src, _, tgt = line.rstrip("\n").partition("\t")
-        yield i, {"src": src, "tgt": tgt}
+    with open(path, "rb") as f:
+      for i, line in _decoded(f, str(path)):
+        src, _, tgt = line.rstrip("\r\n").partition("\t")
+        yield i - 1, {"src": src, "tgt": tgt}

@@ -110,8 +110,7 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
   `wait_for_first_host()` returns (workdir and cache on a shared filesystem).
   """
   from transformer_jax.data import sources  # tfds loads here, not on import.
-  workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  workdir = Path(workdir)  # Created when the tokenizer is saved in it.
 
   def load(build: bool):
     builder = sources.prepare(cfg.dataset, cfg.tfds_dir or os.path.expanduser(

@@ -30,6 +30,28 @@ DATASETS = {
 }
 
 
+# Where each dataset is downloaded from when no data_dir is given (tfds's WMT builders name
+# several mirrors; statmt.org is the first).
+DOWNLOAD_HOSTS = {
+    "fra_eng": builders.FRA_ENG_URL.split("/")[2],
+    "multi30k_en_fr": "github.com", "multi30k_en_de": "github.com",
+    "wmt14_en_de": "www.statmt.org", "wmt14_en_fr": "www.statmt.org",
+}
+
+
+def _check_reachable(name: str, host: str | None, timeout: float = 10.0) -> None:
+  """Fails fast where a download cannot work, instead of tfds's minutes of retries."""
+  import socket
+  if host is None:
+    return
+  try:
+    socket.create_connection((host, 443), timeout=timeout).close()
+  except OSError as e:
+    raise builders.DatasetError(
+        f"dataset {name} is not prepared in tfds_dir and its source {host} cannot be reached "
+        f"({e}); set data_dir to a directory with its raw files") from None
+
+
 def prepare(name: str, tfds_dir: str, data_dir: str | None):
   """Builds (once) the array_record files of a dataset and returns its builder.
 
@@ -44,6 +66,8 @@ def prepare(name: str, tfds_dir: str, data_dir: str | None):
   else:
     config = spec.tfds_name.split("/")[1] if "/" in spec.tfds_name else None
     builder = spec.builder(data_dir=tfds_dir, config=config, file_format="array_record")
+  if not data_dir and not builder.is_prepared():
+    _check_reachable(name, DOWNLOAD_HOSTS.get(name))
   download_config = tfds.download.DownloadConfig(
       manual_dir=str(Path(data_dir).resolve()) if data_dir else None)
   builder.download_and_prepare(download_config=download_config)

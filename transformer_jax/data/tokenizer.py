@@ -95,6 +95,7 @@ class Tokenizers(NamedTuple):
 
   def save(self, workdir: str | Path) -> None:
     workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     if isinstance(self.src, SentencePiece):
       _atomic_write(workdir / SPM_FILE, self.src.model_proto)
     else:
@@ -112,9 +113,16 @@ class Tokenizers(NamedTuple):
       if (workdir / WORD_FILE).exists():
         vocab = json.loads((workdir / WORD_FILE).read_text())
         return Tokenizers(WordVocab(vocab["src"]), WordVocab(vocab["tgt"]))
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"corrupt tokenizer file in {workdir}: {e}") from None
+    except (RuntimeError, ValueError, KeyError, TypeError, OSError) as e:
+      name = SPM_FILE if (workdir / SPM_FILE).exists() else WORD_FILE
+      raise TokenizerError(f"{workdir / name} is damaged or empty ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                           "delete it to fit a new tokenizer") from None
     return None
+
+
+class TokenizerError(ValueError):
+  """A saved tokenizer file that cannot be loaded."""
 
 
 def train_tokenizers(pairs: list[tuple[str, str]], kind: str, vocab_size: int) -> Tokenizers:

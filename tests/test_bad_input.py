@@ -1,0 +1,145 @@
+"""Bad input to train.py: one `error:` line that names the field, file or line, raised before
+anything is prepared, compiled or written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import train
+from tests.conftest import DATA, ROOT
+from transformer_jax import config as config_lib, train_lib
+from transformer_jax.data import sources
+from transformer_jax.data.builders import DatasetError
+from transformer_jax.data.tokenizer import TokenizerError
+
+
+def _cli(*args, devices=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,devices,message", [
+    (["--config.batch_size=6", "--config.mesh_shape=(4,1,1)"], 4,
+     "error: batch_size=6 does not split over the mesh's 4 data-parallel devices"),
+    (["--config.mesh_shape=(8,1,1)"], 1,
+     "error: mesh_shape=(8, 1, 1): mesh_shape (8, 1, 1) needs 8 devices, found 1"),
+])
+def test_cli_errors_are_one_line_and_write_nothing(tmp_path, tfds_dir, args, devices, message):
+  workdir = tmp_path / "run"
+  result = _cli("--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
+                f"--config.data_dir={DATA / 'fra-eng'}", f"--config.tfds_dir={tmp_path / 'tfds'}",
+                *args, devices=devices)
+  assert result.returncode != 0
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(message), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  assert not workdir.exists() and not (tmp_path / "tfds").exists()
+
+
+def test_unknown_config_field_is_named(tmp_path):
+  result = _cli("--config", "configs/fra_eng.py:smoke", "--workdir", str(tmp_path / "w"),
+                "--config.bogus=1")
+  assert result.returncode != 0
+  assert "bogus" in result.stderr.strip().splitlines()[-1]
+  assert len(result.stderr.strip().splitlines()) <= 3, result.stderr  # absl may add a hint.
+
+
+def test_empty_workdir_flag(tmp_path):
+  result = _cli("--config", "configs/fra_eng.py:smoke", "--workdir=")
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: --workdir is empty; name a directory for the run")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model=dict(num_heads=0)), "model.num_heads=0 must be a positive integer"),
+    (dict(grad_clip=-1.0), "grad_clip=-1.0 must be >= 0"),
+    (dict(warmup_steps=-5), "warmup_steps=-5 must be >= 0"),
+    (dict(nonfinite="ignore"), "nonfinite='ignore' must be 'stop' or 'skip'"),
+    (dict(batch_size=0), "batch_size=0 must be positive"),
+    (dict(dataset="wmt99"), "dataset='wmt99' is unknown"),
+])
+def test_bad_config_values_are_named(smoke_config, tmp_path, change, message):
+  smoke_config.update(change)
+  with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(
+      ")", r"\)")):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_zero_grad_clip_means_no_clipping_and_zero_warmup_means_none():
+  import jax.numpy as jnp
+  import optax
+  cfg = train_lib.OptimizerConfig(grad_clip=0.0, warmup_steps=0, learning_rate=1e-3,
+                                  schedule="rsqrt")
+  tx = train_lib.make_optimizer(cfg)
+  params = {"w": jnp.ones(3)}
+  updates, _ = tx.update({"w": jnp.full(3, 100.0)}, tx.init(params), params)
+  assert float(jnp.abs(updates["w"]).max()) > 0  # Gradients are not zeroed.
+  schedule = train_lib.learning_rate_schedule(cfg)
+  assert float(schedule(0)) == pytest.approx(1e-3) and float(schedule(3)) == pytest.approx(5e-4)
+  clipped = train_lib.make_optimizer(train_lib.OptimizerConfig(grad_clip=1.0))
+  assert isinstance(clipped.init(params), tuple) and optax  # Same state structure either way.
+  assert len(clipped.init(params)) == len(tx.init(params))
+
+
+def test_workdir_that_is_a_file(smoke_config, tmp_path):
+  (tmp_path / "file").write_text("not a directory")
+  with pytest.raises(config_lib.ConfigError, match="--workdir .*file is a file"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "file"))
+  assert (tmp_path / "file").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", r"fra.txt holds no 'English<TAB>French' line"),
+    (b"Go.  Va !\nHi.  Salut !\n", r"fra.txt holds no 'English<TAB>French' line"),
+    (b"Go.\tVa !\nI\xe9t\xe9.\tJ'ai \xe9t\xe9.\n", r"fra.txt line 2 is not UTF-8 text \(byte 2"),
+])
+def test_bad_corpus_files_are_named_by_line(smoke_config, tmp_path, content, message):
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "fra.txt").write_bytes(content)
+  smoke_config.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
+  with pytest.raises(DatasetError, match=message):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+  assert not list((tmp_path / "tfds").glob("fra_eng/*/*/dataset_info.json"))
+
+
+def test_a_corrupt_zip_is_named(smoke_config, tmp_path):
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "fra-eng.zip").write_bytes(b"PK\x03\x04 not really a zip")
+  smoke_config.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
+  with pytest.raises(DatasetError, match="fra-eng.zip is not a readable zip file"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  with zipfile.ZipFile(data / "fra-eng.zip", "w") as zf:
+    zf.writestr("fra-eng/readme.txt", "no corpus here")
+  with pytest.raises(DatasetError, match="fra-eng.zip holds no fra.txt"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+
+
+def test_no_data_dir_and_an_unreachable_source_fails_fast(smoke_config, tmp_path, monkeypatch):
+  monkeypatch.setitem(sources.DOWNLOAD_HOSTS, "fra_eng", "127.0.0.1")  # Nothing listens on 443.
+  smoke_config.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))
+  with pytest.raises(DatasetError, match="fra_eng is not prepared in tfds_dir and its source "
+                     "127.0.0.1 cannot be reached"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00garbage that is not a sentencepiece model"])
+def test_damaged_tokenizer_file_is_named(smoke_config, tmp_path, content):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / "tokenizer.model").write_bytes(content)
+  with pytest.raises(TokenizerError, match=r"tokenizer.model is damaged or empty"):
+    train.train_and_evaluate(smoke_config, str(workdir))
+  assert sorted(p.name for p in workdir.iterdir()) == ["tokenizer.model"]

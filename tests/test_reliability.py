@@ -1,0 +1,258 @@
+"""Preemption, kills, non-finite steps and damaged checkpoints, with real processes, real
+signals and real orbax checkpoints (the smoke config on the shared fra-eng data)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import train
+from tests.conftest import DATA, ROOT
+from transformer_jax import train_lib
+from transformer_jax.generation import InferenceError
+from transformer_jax.translator import Translator
+
+NUM_STEPS = 30
+
+
+def _command(workdir, tfds_dir, cache_dir, *extra):
+  return [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
+          "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
+          f"--config.tfds_dir={tfds_dir}", f"--config.compilation_cache_dir={cache_dir}",
+          f"--config.num_steps={NUM_STEPS}", "--config.log_every=1",
+          "--config.checkpoint_every=4", "--config.keep_checkpoints=2",
+          "--config.eval_every=1000", "--config.num_bleu_sentences=0", *extra]
+
+
+def _start(workdir, tfds_dir, cache_dir, *extra):
+  """train.py in its own process group (as a scheduler runs it), stdout and stderr merged."""
+  return subprocess.Popen(_command(workdir, tfds_dir, cache_dir, *extra), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+
+
+def _run(workdir, tfds_dir, cache_dir, *extra):
+  proc = _start(workdir, tfds_dir, cache_dir, *extra)
+  log = proc.communicate(timeout=600)[0]
+  assert proc.returncode == 0, log[-3000:]
+  return log
+
+
+def _wait_for_line(proc, pattern: str, lines: list[str]) -> re.Match:
+  """Reads the process's output until a line matches `pattern` (every line goes to `lines`)."""
+  for line in proc.stdout:
+    lines.append(line)
+    match = re.search(pattern, line)
+    if match:
+      return match
+  raise AssertionError(f"the run ended before {pattern!r}:\n" + "".join(lines[-40:]))
+
+
+def _final_state(workdir, step=NUM_STEPS):
+  return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")
+
+
+def _assert_bitwise_equal(a, b):
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b) > 0
+  for x, y in zip(leaves_a, leaves_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _train_records(workdir) -> list[dict]:
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return [r for r in map(json.loads, lines) if "train/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  """One persistent compilation cache for every run of this module."""
+  return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
+  """An uninterrupted run: (workdir, final state, train records)."""
+  workdir = tmp_path_factory.mktemp("straight")
+  _run(workdir, tfds_dir, cache_dir)
+  return workdir, _final_state(workdir), _train_records(workdir)
+
+
+def _assert_same_run(workdir, straight):
+  _, state, records = straight
+  _assert_bitwise_equal(_final_state(workdir), state)
+  got = _train_records(workdir)
+  assert [r["step"] for r in got] == list(range(1, NUM_STEPS + 1))  # Each step once.
+  for mine, theirs in zip(got, records):
+    assert (mine["train/loss"], mine["train/tokens"]) == (theirs["train/loss"],
+                                                          theirs["train/tokens"])
+
+
+def test_sigterm_saves_the_current_step_and_the_resumed_run_is_exact(tmp_path, tfds_dir,
+                                                                     cache_dir, straight):
+  at = random.Random().randint(2, NUM_STEPS - 4)
+  proc = _start(tmp_path, tfds_dir, cache_dir)
+  lines = []
+  _wait_for_line(proc, rf"\] \[{at}\] steps_per_sec", lines)
+  os.killpg(proc.pid, signal.SIGTERM)  # The whole group, grain workers included.
+  sent = time.monotonic()
+  rest = proc.communicate(timeout=60)[0]
+  assert proc.returncode == 0, f"SIGTERM at step {at}:\n{rest[-3000:]}"
+  assert time.monotonic() - sent < 30
+  stopped = int(re.search(r"Stopped at step (\d+) by a signal", rest).group(1))
+  assert at <= stopped < NUM_STEPS
+  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps[-1] == stopped, (at, steps)
+
+  log = _run(tmp_path, tfds_dir, cache_dir)
+  assert f"Resuming from the checkpoint of step {stopped}" in log
+  _assert_same_run(tmp_path, straight)
+
+
+def test_sigkill_at_three_moments_loses_nothing(tmp_path, tfds_dir, cache_dir, straight):
+  checkpoints = tmp_path / "checkpoints"
+
+  def kill_when(ready):
+    """Starts a run and SIGKILLs its process group as soon as `ready(lines so far)`."""
+    proc = _start(tmp_path, tfds_dir, cache_dir)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not ready(lines):
+      assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+      time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader.join()
+    return "".join(lines)
+
+  def logged(step):
+    return lambda lines: any(f"] [{step}] steps_per_sec" in line for line in lines)
+
+  def saving(after_step):  # An asynchronous save under way: orbax's temporary directory.
+    return lambda lines: logged(after_step)(lines) and any(
+        ".orbax-checkpoint-tmp" in p.name for p in checkpoints.glob("*"))
+
+  kill_when(logged(6))  # Between checkpoints 4 and 8.
+  kill_when(saving(9))  # While a checkpoint (12, 16, ...) is being written.
+  kill_when(logged(NUM_STEPS - 2))  # Close to the end.
+  # Every step logged before the last kill is in metrics.jsonl, once.
+  steps = [r["step"] for r in _train_records(tmp_path)]
+  assert len(steps) >= NUM_STEPS - 2 and steps == list(range(1, len(steps) + 1))
+
+  _run(tmp_path, tfds_dir, cache_dir)
+  _assert_same_run(tmp_path, straight)
+
+
+def _finite_checkpoints(workdir) -> list[int]:
+  steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  for step in steps:
+    state = _final_state(workdir, step)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state)
+               if np.issubdtype(np.asarray(x).dtype, np.floating)), step
+  return steps
+
+
+def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_path, smoke_config):
+  smoke_config.update(nan_at_step=13, checkpoint_every=5, keep_checkpoints=2, eval_every=1000,
+                      num_bleu_sentences=0, num_steps=20)
+  stop = smoke_config.copy_and_resolve_references()
+  with pytest.raises(train_lib.NonFiniteError, match="non-finite loss or gradients at step 13"):
+    train.train_and_evaluate(stop, str(tmp_path / "stop"))
+  # The checkpoint of step 15 would hold the state after the dropped step 13: never written.
+  assert _finite_checkpoints(tmp_path / "stop") == [5, 10]
+
+  skip = smoke_config.copy_and_resolve_references()
+  skip.nonfinite = "skip"
+  state = train.train_and_evaluate(skip, str(tmp_path / "skip"))
+  assert int(state.step) == 20
+  assert _finite_checkpoints(tmp_path / "skip") == [15, 20]
+  records = {r["step"]: r for r in _train_records(tmp_path / "skip")}
+  assert records[10]["train/skipped_steps"] == 0 and records[15]["train/skipped_steps"] == 1
+  assert records[20]["train/skipped_steps"] == 1
+
+  # Too many in a row: every step from 1 is NaN with a learning rate that overflows.
+  burst = smoke_config.copy_and_resolve_references()
+  burst.update(nonfinite="skip", max_nonfinite_in_row=3, nan_at_step=0, learning_rate=1e38,
+               warmup_steps=0, grad_clip=0.0)
+  with pytest.raises(train_lib.NonFiniteError, match="3 non-finite steps in a row"):
+    train.train_and_evaluate(burst, str(tmp_path / "burst"))
+
+
+def _damage(step_dir, kind):
+  state = step_dir / "state"
+  chunks = sorted((state / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+  if kind == "deleted chunk":
+    chunks[-1].unlink()
+  elif kind == "emptied metadata":
+    (state / "_METADATA").write_text("")
+  elif kind == "changed bytes":
+    with open(chunks[-1], "r+b") as f:
+      f.seek(chunks[-1].stat().st_size // 2)
+      f.write(bytes(random.Random(0).randrange(256) for _ in range(64)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tfds_dir, fra_eng_builder):
+  """A 20-step smoke run with checkpoints 10 and 20."""
+  from configs import fra_eng
+  config = fra_eng.get_config("smoke")
+  config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0)
+  workdir = tmp_path_factory.mktemp("trained")
+  train.train_and_evaluate(config, str(workdir))
+  return config, workdir
+
+
+@pytest.mark.parametrize("kind", ["deleted chunk", "emptied metadata", "changed bytes"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, trained, kind,
+                                                                    caplog):
+  config, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  _damage(workdir / "checkpoints" / "20", kind)
+
+  translator = Translator(workdir)  # Reads only: uses step 10, renames nothing.
+  assert translator.step == 10
+  assert "The checkpoint of step 20" in caplog.text and "damaged" in caplog.text
+  assert (workdir / "checkpoints" / "20").exists()
+
+  caplog.clear()
+  config = config.copy_and_resolve_references()
+  config.num_steps = 30
+  state = train.train_and_evaluate(config, str(workdir))
+  assert int(state.step) == 30
+  assert "The checkpoint of step 20" in caplog.text
+  assert "Resuming from the checkpoint of step 10" in caplog.text
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [
+      "10", "20", "30", "damaged-20"]
+  assert _finite_checkpoints(workdir) == [10, 20, 30]
+
+
+def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
+  _, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  for step in (10, 20):
+    _damage(workdir / "checkpoints" / str(step), "changed bytes")
+  with pytest.raises(InferenceError, match=r"every checkpoint in .* is damaged"):
+    Translator(workdir)
+  proc = subprocess.run([sys.executable, "-m", "transformer_jax.translate", "--workdir",
+                         str(workdir), "Go."], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: every checkpoint in ")
+  assert proc.stdout == ""

@@ -1,0 +1,74 @@
+"""A trained model restored from a workdir (config, tokenizer, the newest checkpoint that
+verifies), with a jitted generate function.
+
+Only the parameters are read from the checkpoint (not the optimizer state), onto whatever
+devices this machine has.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from transformer_jax import checkpoint, config as config_lib, sharding
+from transformer_jax.data.tokenizer import Tokenizers
+from transformer_jax.generation import (DecodeOptions, InferenceError, encode_sources, generate,
+                                        strip)
+from transformer_jax.model import Transformer
+
+
+class Translator:
+  """Restores a workdir's model and tokenizer and translates batches of sentences."""
+
+  def __init__(self, workdir: str | Path, step: int | None = None):
+    workdir = Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.exists():
+      raise InferenceError(f"{workdir} holds no config.json: not a training workdir")
+    self.config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    tokenizers = Tokenizers.load(workdir)
+    if tokenizers is None:
+      raise InferenceError(f"{workdir} holds no tokenizer (tokenizer.model or vocab.json)")
+    self.tokenizers = tokenizers
+    self.model_config = config_lib.model_config(
+        self.config, tokenizers.src.vocab_size, tokenizers.tgt.vocab_size)
+    self.model = Transformer(self.model_config)
+    ckpt_dir = workdir / "checkpoints"
+    if not ckpt_dir.is_dir():
+      raise InferenceError(f"{workdir} holds no checkpoints/ directory")
+    ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, keep=1, read_only=True)
+    mesh = sharding.make_mesh((-1, 1, 1))
+    try:
+      if step is None:  # The newest that reads back and verifies.
+        self.step, self.params = ckpt.restore_params_latest(self._abstract_params(), mesh)
+      else:
+        self.step, self.params = step, ckpt.restore_params(step, self._abstract_params(), mesh)
+    except (checkpoint.CheckpointDamagedError, checkpoint.CheckpointNotFoundError) as e:
+      raise InferenceError(str(e)) from None
+    self.max_src_len = int(self.config.max_len)
+    self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
+    logging.info("Restored step %d from %s", self.step, ckpt_dir)
+
+  def _abstract_params(self):
+    dummy = jnp.ones((1, 2), jnp.int32)
+    boxed = jax.eval_shape(self.model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
+    return boxed  # Still boxed: the checkpointer turns the names into shardings.
+
+  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+  def generate_ids(self, params, src, max_len, beam_size, alpha):
+    """src [B, S] -> best output tokens [B, max_len]; compiled once per shape and options."""
+    return generate(self.model, params, src, max_len, beam_size, alpha)
+
+  def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions()) -> list[str]:
+    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len)
+    max_len = options.max_len or src.shape[1] + options.max_len_margin
+    tokens = np.asarray(self.generate_ids(self.params, src, max_len, options.beam_size,
+                                       options.alpha))
+    return [self.tokenizers.tgt.decode(strip(row)) for row in tokens]
