@@ -196,6 +196,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # config_flags raises KeyError, AttributeError, TypeError, ...
+    missing = e if isinstance(e, KeyError) else e.__context__
+    if isinstance(missing, KeyError):  # An override of a field the config does not have.
+      name = str(missing.args[0]).strip("'\"") if missing.args else ""
+      given = [a.split("=")[0] for a in argv
+               if a.startswith("--config.") and a.split("=")[0].split(".")[-1] == name]
+      sys.exit(f"error: {given[0] if given else name}: no such config field (the fields and "
+               "their meanings are in transformer_jax/config.py)")
     message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     sys.exit(f"error: {message}")
 

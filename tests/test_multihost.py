@@ -1,5 +1,6 @@
 """Runs on localhost with fake CPU devices: two processes x two devices as one 4-device
-data-parallel run, and a run that moves between 2 processes and 1 (4 devices either way)."""
+data-parallel run; runs that move between 2 processes and 1 (4 devices either way) and between
+1 device and 4; two processes that find each other from SLURM's variables and stop together."""
 
 import json
 import os
@@ -14,15 +15,16 @@ import portpicker
 from tests.conftest import DATA, ROOT
 
 
-def _train(workdir, tfds_dir, num_steps, processes, extra=()):
-  """Runs train.py's smoke config on 4 CPU devices in `processes` processes; returns the logs."""
+def _train(workdir, tfds_dir, num_steps, processes, extra=(), devices=4):
+  """Runs train.py's smoke config on `devices` CPU devices (data parallel) in `processes`
+  processes; returns the logs."""
   port = portpicker.pick_unused_port()
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // processes}")
   cmd = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
          "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
          f"--config.tfds_dir={tfds_dir}", f"--config.num_steps={num_steps}",
-         "--config.mesh_shape=(4,1,1)", "--config.num_bleu_sentences=16",
+         f"--config.mesh_shape=({devices},1,1)", "--config.num_bleu_sentences=16",
          "--config.log_every=1", "--config.num_workers=0", *extra]
   if processes > 1:
     cmd += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes)]
@@ -52,15 +54,19 @@ def test_two_process_training_run(tmp_path, tfds_dir, fra_eng_builder):
   assert set(data) == {"block", "batch"}
 
 
-def test_resuming_on_another_number_of_processes_sees_the_same_batches(tmp_path, tfds_dir,
-                                                                       fra_eng_builder):
+def test_resuming_on_another_number_of_processes_or_devices_sees_the_same_batches(
+    tmp_path, tfds_dir, fra_eng_builder):
   _train(tmp_path / "straight", tfds_dir, 12, processes=1)
   straight = _train_records(tmp_path / "straight")
-  for first, second in ((2, 1), (1, 2)):
-    workdir = tmp_path / f"{first}to{second}"
-    _train(workdir, tfds_dir, 6, processes=first, extra=["--config.checkpoint_every=6"])
-    logs = _train(workdir, tfds_dir, 12, processes=second)
-    assert "Resuming from the checkpoint of step 6" in logs[0]
+  # (processes, devices) of three legs of 4 steps each: 2 processes -> 1 on 4 devices, then
+  # 4 devices -> 1; and 1 device -> 4, then 1 process -> 2.
+  for legs in (((2, 4), (1, 4), (1, 1)), ((1, 1), (1, 4), (2, 4))):
+    workdir = tmp_path / "-".join(f"{p}x{d}" for p, d in legs)
+    for i, (processes, devices) in enumerate(legs):
+      logs = _train(workdir, tfds_dir, 4 * (i + 1), processes=processes, devices=devices,
+                    extra=["--config.checkpoint_every=4", "--config.num_bleu_sentences=0"])
+      if i:
+        assert f"Resuming from the checkpoint of step {4 * i}" in logs[0]
     moved = _train_records(workdir)
     assert sorted(moved) == sorted(straight) == list(range(1, 13))
     for step in straight:

@@ -21,7 +21,9 @@ import pytest
 
 import train
 from tests.conftest import DATA, ROOT
-from transformer_jax import train_lib
+from transformer_jax import checkpoint, config as config_lib, sharding, train_lib
+from transformer_jax.data.tokenizer import Tokenizers
+from transformer_jax.model import Transformer
 from transformer_jax.generation import InferenceError
 from transformer_jax.translator import Translator
 
@@ -37,8 +39,9 @@ def _command(workdir, tfds_dir, cache_dir, *extra):
           "--config.eval_every=1000", "--config.num_bleu_sentences=0", *extra]
 
 
-def _start(workdir, tfds_dir, cache_dir, *extra):
+def _start(workdir, tfds_dir, cache_dir, *extra, workers=0):
   """train.py in its own process group (as a scheduler runs it), stdout and stderr merged."""
+  extra = (*extra, f"--config.num_workers={workers}")
   return subprocess.Popen(_command(workdir, tfds_dir, cache_dir, *extra), cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
@@ -104,7 +107,7 @@ def _assert_same_run(workdir, straight):
 def test_sigterm_saves_the_current_step_and_the_resumed_run_is_exact(tmp_path, tfds_dir,
                                                                      cache_dir, straight):
   at = random.Random().randint(2, NUM_STEPS - 4)
-  proc = _start(tmp_path, tfds_dir, cache_dir)
+  proc = _start(tmp_path, tfds_dir, cache_dir, workers=1)  # A grain worker gets SIGTERM too.
   lines = []
   _wait_for_line(proc, rf"\] \[{at}\] steps_per_sec", lines)
   os.killpg(proc.pid, signal.SIGTERM)  # The whole group, grain workers included.
@@ -169,7 +172,7 @@ def _finite_checkpoints(workdir) -> list[int]:
 
 def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_path, smoke_config):
   smoke_config.update(nan_at_step=13, checkpoint_every=5, keep_checkpoints=2, eval_every=1000,
-                      num_bleu_sentences=0, num_steps=20)
+                      num_bleu_sentences=0, num_steps=20, num_workers="0")
   stop = smoke_config.copy_and_resolve_references()
   with pytest.raises(train_lib.NonFiniteError, match="non-finite loss or gradients at step 13"):
     train.train_and_evaluate(stop, str(tmp_path / "stop"))
@@ -193,17 +196,19 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
     train.train_and_evaluate(burst, str(tmp_path / "burst"))
 
 
-def _damage(step_dir, kind):
+def _damage(step_dir, kind, every_chunk=False):
+  """Damages one checkpoint's state: its largest data file (or every one)."""
   state = step_dir / "state"
   chunks = sorted((state / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
-  if kind == "deleted chunk":
-    chunks[-1].unlink()
-  elif kind == "emptied metadata":
+  for chunk in chunks if every_chunk else chunks[-1:]:
+    if kind == "deleted chunk":
+      chunk.unlink()
+    elif kind == "changed bytes":
+      with open(chunk, "r+b") as f:
+        f.seek(chunk.stat().st_size // 2)
+        f.write(bytes(random.Random(0).randrange(256) for _ in range(64)))
+  if kind == "emptied metadata":
     (state / "_METADATA").write_text("")
-  elif kind == "changed bytes":
-    with open(chunks[-1], "r+b") as f:
-      f.seek(chunks[-1].stat().st_size // 2)
-      f.write(bytes(random.Random(0).randrange(256) for _ in range(64)))
 
 
 @pytest.fixture(scope="module")
@@ -211,35 +216,69 @@ def trained(tmp_path_factory, tfds_dir, fra_eng_builder):
   """A 20-step smoke run with checkpoints 10 and 20."""
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
-  config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0)
+  config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0,
+                num_workers="0")
   workdir = tmp_path_factory.mktemp("trained")
   train.train_and_evaluate(config, str(workdir))
   return config, workdir
+
+
+def _restore_latest(config, workdir):
+  """What train.py does at start-up: restore the newest checkpoint that verifies."""
+  tokenizers = Tokenizers.load(workdir)
+  model = Transformer(config_lib.model_config(config, tokenizers.src.vocab_size,
+                                              tokenizers.tgt.vocab_size))
+  state, shardings = train_lib.create_train_state(
+      model, train_lib.make_optimizer(config_lib.optimizer_config(config)), config.seed,
+      sharding.make_mesh((-1, 1, 1)), config.max_len)
+  ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 10, 3)
+  try:
+    return ckpt.restore_latest(state, shardings)
+  finally:
+    ckpt.close()
 
 
 @pytest.mark.parametrize("kind", ["deleted chunk", "emptied metadata", "changed bytes"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, trained, kind,
                                                                     caplog):
   config, source = trained
+  # translate reads only the parameters: damage every data file so that theirs are hit.
+  for_translate = tmp_path / "t"
+  shutil.copytree(source, for_translate)
+  _damage(for_translate / "checkpoints" / "20", kind, every_chunk=True)
+  translator = Translator(for_translate)  # Reads only: uses step 10, renames nothing.
+  assert translator.step == 10
+  assert "The checkpoint of step 20" in caplog.text and "damaged" in caplog.text
+  assert (for_translate / "checkpoints" / "20").exists()
+
+  # Training's restore, when one data file of 20 is damaged (as a disk would do it).
+  caplog.clear()
   workdir = tmp_path / "w"
   shutil.copytree(source, workdir)
   _damage(workdir / "checkpoints" / "20", kind)
-
-  translator = Translator(workdir)  # Reads only: uses step 10, renames nothing.
-  assert translator.step == 10
+  step, state, data = _restore_latest(config, workdir)
+  assert step == int(state.step) == 10 and set(data) == {"block", "batch"}
   assert "The checkpoint of step 20" in caplog.text and "damaged" in caplog.text
-  assert (workdir / "checkpoints" / "20").exists()
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "damaged-20"]
 
-  caplog.clear()
+
+def test_training_resumes_from_the_last_good_checkpoint(tmp_path, trained, caplog):
+  config, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  _damage(workdir / "checkpoints" / "20", "changed bytes", every_chunk=True)
+  caplog.set_level("INFO")
   config = config.copy_and_resolve_references()
   config.num_steps = 30
   state = train.train_and_evaluate(config, str(workdir))
   assert int(state.step) == 30
-  assert "The checkpoint of step 20" in caplog.text
+  assert "The checkpoint of step 20" in caplog.text and "damaged" in caplog.text
   assert "Resuming from the checkpoint of step 10" in caplog.text
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [
       "10", "20", "30", "damaged-20"]
   assert _finite_checkpoints(workdir) == [10, 20, 30]
+  # The new 20 is the undamaged run's 20 again (the same batches and dropout from step 10).
+  _assert_bitwise_equal(_final_state(workdir, 20), _final_state(source, 20))
 
 
 def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
@@ -247,7 +286,7 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
   workdir = tmp_path / "w"
   shutil.copytree(source, workdir)
   for step in (10, 20):
-    _damage(workdir / "checkpoints" / str(step), "changed bytes")
+    _damage(workdir / "checkpoints" / str(step), "changed bytes", every_chunk=True)
   with pytest.raises(InferenceError, match=r"every checkpoint in .* is damaged"):
     Translator(workdir)
   proc = subprocess.run([sys.executable, "-m", "transformer_jax.translate", "--workdir",
@@ -256,3 +295,15 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1].startswith("error: every checkpoint in ")
   assert proc.stdout == ""
+
+
+def test_num_steps_below_the_latest_checkpoint_is_an_error(trained):
+  config, source = trained
+  config = config.copy_and_resolve_references()
+  config.num_steps = 15
+  before = (source / "metrics.jsonl").read_text()
+  with pytest.raises(config_lib.ConfigError, match=r"num_steps=15 is below the latest "
+                     r"checkpoint's step \(20\)"):
+    train.train_and_evaluate(config, str(source))
+  assert (source / "metrics.jsonl").read_text() == before
+  assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["10", "20"]

@@ -1,3 +1,4 @@
+import re
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def bad_inputs(tmp_path_factory):
 
 @pytest.mark.parametrize("args,message", [
     (["--step", "7", "I lost."], "no checkpoint for step 7"),
-    (["--input", "{d}/latin1.txt"], "{d}/latin1.txt line 2 is not UTF-8 text (byte 5: b'\\xe9')"),
+    (["--input", "{d}/latin1.txt"], "{d}/latin1.txt line 2 is not UTF-8 text (byte 6: b'\\xe9')"),
     (["--batch_size", "0", "--input", "{d}/ok.txt"], "--batch_size must be at least 1, got 0"),
     (["--max_len", "100000", "Go."], "--max_len 100000 is over 36, 4 x the max_len the model"),
     (["--input", "{d}/ok.txt", "--output", "{d}/missing/out.txt"],
@@ -79,11 +80,14 @@ def test_translate_errors_are_one_line_and_write_nothing(d2l_workdir, bad_inputs
 
 
 def test_empty_lines_translate_to_empty_lines_in_place(d2l_workdir, tmp_path):
-  (tmp_path / "in.txt").write_text("I lost.\n\n   \nI'm home.\n")
+  long = "I lost " + "very " * 20 + "much."  # Line 5: the warning names it by its line.
+  (tmp_path / "in.txt").write_text(f"I lost.\n\n   \nI'm home.\n{long}\n")
   result = _cli("--workdir", str(d2l_workdir), "--input", str(tmp_path / "in.txt"),
                 "--beam_size", "1", "--batch_size", "4")
   assert result.returncode == 0, result.stderr[-2000:]
-  assert result.stdout.splitlines() == ["j'ai perdu .", "", "", "je suis chez moi ."]
+  assert result.stdout.splitlines()[:4] == ["j'ai perdu .", "", "", "je suis chez moi ."]
+  assert len(result.stdout.splitlines()) == 5
+  assert re.search(r"sentence 5 has \d+ tokens; truncated to the model's 9", result.stderr)
 
 
 def test_visualize_refuses_an_out_that_is_a_file(d2l_workdir, tmp_path):

@@ -79,8 +79,7 @@ def checked_mesh(config: ml_collections.ConfigDict):
   try:
     mesh = sharding.make_mesh(config.mesh_shape)
   except ValueError as e:
-    raise ConfigError(f"mesh_shape={tuple(config.mesh_shape)}: {e} "
-                      f"({jax.device_count()} {jax.default_backend()} devices)") from None
+    raise ConfigError(f"{e} ({jax.default_backend()})") from None
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
   for field in ("batch_size", "eval_batch_size"):
     _check(config[field] % data_parallel == 0,

@@ -53,18 +53,19 @@ def generate(model: Transformer, params, src, max_len: int, beam_size: int = 1,
 
 
 def encode_sources(tokenizer, sentences: list[str], max_src_len: int,
-                   width: int | None = None) -> np.ndarray:
+                   width: int | None = None, numbers: list[int] | None = None) -> np.ndarray:
   """Source token ids with <eos>, [B, width]; width defaults to the longest row rounded up to 8
   (few distinct shapes, few compilations). Overlong sentences are truncated with a warning;
-  an empty one is an error."""
+  an empty one is an error. Messages name sentence `numbers[i]` (default: i + 1)."""
+  numbers = numbers or list(range(1, len(sentences) + 1))
   ids = []
   for i, row in enumerate(tokenizer.encode(sentences)):
     if not sentences[i].strip() or not row:
-      raise InferenceError(f"sentence {i + 1} is empty")
+      raise InferenceError(f"sentence {numbers[i]} is empty")
     row = list(row) + [EOS]
     if len(row) > max_src_len:
-      logging.warning("sentence %d has %d tokens; truncated to the model's %d", i + 1, len(row),
-                      max_src_len)
+      logging.warning("sentence %d has %d tokens; truncated to the model's %d", numbers[i],
+                      len(row), max_src_len)
       row = row[:max_src_len - 1] + [EOS]
     ids.append(row)
   width = width or -(-max(len(r) for r in ids) // 8) * 8

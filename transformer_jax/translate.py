@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import logging as std_logging
 import sys
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
   for batch in tqdm.tqdm(batches, desc="translating", unit="batch", disable=not progress):
     # Pad the batch to a full one so that every batch shares the compiled shape.
     sentences = [lines[i] for i in batch]
-    results = translator.translate(sentences + sentences[:1] * (batch_size - len(batch)), options)
+    pad = batch_size - len(batch)
+    results = translator.translate(sentences + sentences[:1] * pad, options,
+                                   numbers=[i + 1 for i in batch] + [batch[0] + 1] * pad)
     for i, text in zip(batch, results):
       out[i] = text
   return out
@@ -114,6 +117,9 @@ def main(argv):
       score, signature = corpus_bleu(hypotheses, references)
       print(f"BLEU = {score:.2f}  {signature}")
   except (InferenceError, checkpoint.CheckpointNotFoundError) as e:
+    # Reads of damaged checkpoints that failed (and were reported) leave futures whose errors
+    # asyncio would print again at exit, after the error line.
+    std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
     logging.get_absl_handler().flush()
     sys.exit(f"error: {e}")
 

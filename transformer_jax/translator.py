@@ -52,6 +52,8 @@ class Translator:
         self.step, self.params = step, ckpt.restore_params(step, self._abstract_params(), mesh)
     except (checkpoint.CheckpointDamagedError, checkpoint.CheckpointNotFoundError) as e:
       raise InferenceError(str(e)) from None
+    finally:
+      ckpt.close()
     self.max_src_len = int(self.config.max_len)
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     logging.info("Restored step %d from %s", self.step, ckpt_dir)
@@ -66,8 +68,10 @@ class Translator:
     """src [B, S] -> best output tokens [B, max_len]; compiled once per shape and options."""
     return generate(self.model, params, src, max_len, beam_size, alpha)
 
-  def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions()) -> list[str]:
-    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len)
+  def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
+                numbers: list[int] | None = None) -> list[str]:
+    """`numbers`: the sentences' line numbers, for warnings (default: 1, 2, ...)."""
+    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
     max_len = options.max_len or src.shape[1] + options.max_len_margin
     tokens = np.asarray(self.generate_ids(self.params, src, max_len, options.beam_size,
                                        options.alpha))

@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dataclasses
+import logging as std_logging
 import sys
 from pathlib import Path
 
@@ -106,6 +107,9 @@ def main(argv):
     for path in plot(maps, src_tokens, tgt_tokens, Path(FLAGS.out)):
       print(path)
   except (InferenceError, checkpoint.CheckpointNotFoundError) as e:
+    # Reads of damaged checkpoints that failed (and were reported) leave futures whose errors
+    # asyncio would print again at exit, after the error line.
+    std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
     sys.exit(f"error: {e}")
 
 

@@ -37,6 +37,8 @@ class SentencePiece:
     self.model_proto = model_proto
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto, num_threads=num_threads)
     self.vocab_size = self._sp.get_piece_size()
+    if self.vocab_size == 0:  # An empty proto loads without complaint but holds no model.
+      raise ValueError("the SentencePiece model holds no pieces")
 
   def __reduce__(self):
     # Pickled for grain worker processes: one thread each, since the workers are the
