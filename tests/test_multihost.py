@@ -56,7 +56,8 @@ def test_two_process_training_run(tmp_path, tfds_dir, fra_eng_builder):
 
 def test_resuming_on_another_number_of_processes_or_devices_sees_the_same_batches(
     tmp_path, tfds_dir, fra_eng_builder):
-  _train(tmp_path / "straight", tfds_dir, 12, processes=1, extra=["--config.num_bleu_sentences=0"])
+  _train(tmp_path / "straight", tfds_dir, 12, processes=1,
+         extra=["--config.num_bleu_sentences=0"])
   straight = _train_records(tmp_path / "straight")
   # (processes, devices) of three legs of 4 steps each: 2 processes -> 1 on 4 devices, then
   # 4 devices -> 1; and 1 device -> 4, then 1 process -> 2.
