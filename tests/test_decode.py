@@ -89,7 +89,8 @@ def test_large_beam_finds_the_exhaustive_optimum(seed):
   table = table - np.log(np.exp(table).sum(-1, keepdims=True))
   best, best_seq = _exhaustive_best(table, alpha=0.6)
   cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
-  tokens, scores = decode.beam_search(_fake_model(table), cache, 1, 4, SPECIALS, beam_size=16, alpha=0.6)
+  tokens, scores = decode.beam_search(_fake_model(table), cache, 1, 4, SPECIALS, beam_size=16,
+                                      alpha=0.6)
   assert decode.strip(tokens[0, 0], SPECIALS) + [EOS] == best_seq
   np.testing.assert_allclose(float(scores[0, 0]), best, rtol=1e-5)
 
@@ -101,11 +102,13 @@ def test_beam_one_temperature_zero_and_top_k_one_equal_greedy():
   greedy = decode.sample(fake, cache, 3, 6, SPECIALS)
   beam1, _ = decode.beam_search(fake, cache, 3, 6, SPECIALS, beam_size=1, alpha=0.0)
   np.testing.assert_array_equal(np.asarray(beam1[:, 0]), np.asarray(greedy))
-  cold = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(temperature=1e-4), jax.random.PRNGKey(3))
+  cold = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(temperature=1e-4),
+                       jax.random.PRNGKey(3))
   np.testing.assert_array_equal(np.asarray(cold), np.asarray(greedy))
   top1 = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(top_k=1), jax.random.PRNGKey(4))
   np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
-  nucleus = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(top_p=1e-6), jax.random.PRNGKey(5))
+  nucleus = decode.sample(fake, cache, 3, 6, SPECIALS, decode.Sampling(top_p=1e-6),
+                          jax.random.PRNGKey(5))
   np.testing.assert_array_equal(np.asarray(nucleus), np.asarray(greedy))
 
 

@@ -93,7 +93,8 @@ def test_slurm_environment_two_processes_stop_together_on_sigterm(tmp_path, tfds
   procs = []
   for rank in range(2):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", SLURM_JOB_ID=str(job_id),
+               SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))
     out = subprocess.PIPE if rank else open(tmp_path.parent / "rank0.log", "w")
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,

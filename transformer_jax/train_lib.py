@@ -55,7 +55,8 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-  """Global-norm clipping (none where grad_clip is 0) then Adam(W) with the config's betas, epsilon and schedule."""
+  """Global-norm clipping (none where grad_clip is 0) then Adam(W) with the config's betas,
+  epsilon and schedule."""
   decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
