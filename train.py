@@ -11,7 +11,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import sys
 import time
-from pathlib import Path
 
 import jax
 import ml_collections
@@ -20,8 +19,8 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from transformer_jax import (checkpoint, config as config_lib, preemption as preemption_lib,
-                             sharding, train_lib, writers)
+from transformer_jax import (checkpoint, config as config_lib, launch,
+                             preemption as preemption_lib, sharding, train_lib, writers)
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
 from transformer_jax.data.builders import DatasetError
@@ -43,7 +42,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   # Every check that can fail comes before anything is prepared, compiled or written.
   config_lib.validate(config)
   mesh = config_lib.checked_mesh(config)
-  workdir = _checked_workdir(workdir, config)
+  workdir = config_lib.checked_workdir(workdir, config)
   primary, hosts = jax.process_index() == 0, jax.process_count()
 
   data_cfg = config_lib.data_config(config)
@@ -149,64 +148,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   return state
 
 
-def _checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
-  """The workdir as a Path, after the checks a resumed run needs (nothing is created)."""
-  if not str(workdir).strip():
-    raise config_lib.ConfigError("--workdir is empty; name a directory for the run")
-  workdir = Path(workdir)
-  if workdir.exists() and not workdir.is_dir():
-    raise config_lib.ConfigError(f"--workdir {workdir} is a file, not a directory")
-  steps = [int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
-  if steps and (workdir / "config.json").exists():
-    config_lib.check_same_model((workdir / "config.json").read_text(), config)
-  if steps and max(steps) > config.num_steps:
-    raise config_lib.ConfigError(
-        f"num_steps={config.num_steps} is below the latest checkpoint's step ({max(steps)}) in "
-        f"{workdir / 'checkpoints'}; raise num_steps to train on, or use a new workdir")
-  return workdir
-
-
-def _detected_cluster() -> str | None:
-  """The name of the cluster environment jax's own auto-detection would use, or None.
-
-  Reads jax's registry of cluster types (`jax._src.clusters`, not a public API: where it
-  moves, detection is off and the flags still work).
-  """
-  try:
-    from jax._src.clusters import ClusterEnv
-    return next((env.name for env in ClusterEnv._cluster_types
-                 if not env.opt_in_only_method and env.is_env_present()), None)
-  except (ImportError, AttributeError):
-    return None
-
-
-def _initialize_distributed() -> None:
-  FLAGS = flags.FLAGS
-  if FLAGS.num_processes > 1:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  elif FLAGS.distributed == "auto" and (cluster := _detected_cluster()):
-    logging.info("Cluster environment %r detected: jax.distributed from its variables", cluster)
-    jax.distributed.initialize()
-    logging.info("Process %d of %d, %d devices in all", jax.process_index(),
-                 jax.process_count(), jax.device_count())
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad flag or config override reported in one line."""
-  try:
-    return flags.FLAGS(argv)
-  except Exception as e:  # config_flags raises KeyError, AttributeError, TypeError, ...
-    missing = e if isinstance(e, KeyError) else e.__context__
-    if isinstance(missing, KeyError):  # An override of a field the config does not have.
-      name = str(missing.args[0]).strip("'\"") if missing.args else ""
-      given = [a.split("=")[0] for a in argv
-               if a.startswith("--config.") and a.split("=")[0].split(".")[-1] == name]
-      sys.exit(f"error: {given[0] if given else name}: no such config field (the fields and "
-               "their meanings are in transformer_jax/config.py)")
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    sys.exit(f"error: {message}")
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -214,7 +155,9 @@ def main(argv):
     sys.exit("error: --config and --workdir are required")
   # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
   logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
-  _initialize_distributed()
+  F = flags.FLAGS
+  launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,
+                                F.distributed)
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (config_lib.ConfigError, FileNotFoundError, train_lib.NonFiniteError,
@@ -224,4 +167,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=launch.parse_flags)

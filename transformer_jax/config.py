@@ -211,3 +211,20 @@ def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None
   _check(not changed, "the workdir's checkpoints are of another model: "
          + ", ".join(f"{'' if k in fields else 'model.'}{k}" for k in changed)
          + " differ from its config.json")
+
+
+def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
+  """The workdir as a Path, after the checks a resumed run needs (nothing is created)."""
+  if not str(workdir).strip():
+    raise ConfigError("--workdir is empty; name a directory for the run")
+  workdir = Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise ConfigError(f"--workdir {workdir} is a file, not a directory")
+  steps = [int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
+  if steps and (workdir / "config.json").exists():
+    check_same_model((workdir / "config.json").read_text(), config)
+  if steps and max(steps) > config.num_steps:
+    raise ConfigError(
+        f"num_steps={config.num_steps} is below the latest checkpoint's step ({max(steps)}) in "
+        f"{workdir / 'checkpoints'}; raise num_steps to train on, or use a new workdir")
+  return workdir
