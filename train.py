@@ -87,8 +87,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
     writer.write_hparams(config.to_dict())
   progress = writers.Progress(config.num_steps, start)
   schedule = train_lib.learning_rate_schedule(opt_cfg)
-  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config.label_smoothing,
-                                        config.nan_at_step)
+  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config_lib.step_config(config))
   bleu_eval = data.bleu_pairs and BleuEval(
       model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
   batches = pipeline.Prefetched(stream, lambda b: sharding.global_batch(b, mesh))

@@ -2,12 +2,14 @@
 
   pip install ".[bench]"   # torch (on the dev machine: the CPU build, torch==2.13.0)
   python benchmarks/compare_pytorch.py --config configs/fra_eng.py [--rows 48 --len 48]
-      [--rounds 4 --steps 5] [--set model.d_model=512 ...] [--json out.json]
+      [--rounds 4 --steps 5] [--compile] [--set model.d_model=512 ...] [--json out.json]
 
 PyTorch side: `torch.nn.Transformer` (post-LN, ReLU, batch_first), embeddings shared between
 source and target and tied to the output projection, sinusoidal positions, label-smoothed
 cross-entropy ignoring padding, Adam(0.9, 0.98, 1e-9) and global-norm clipping: the same
 architecture, sizes, batch and lengths as ours. Both sides run full rows of random tokens.
+With --compile a third entry, the same PyTorch model and loss under `torch.compile` (inductor,
+default mode), joins the round-robin: ours, eager PyTorch and compiled PyTorch A B C A B C.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from benchmarks.train_step import synthetic_batch, train_setup  # noqa: E402
 from transformer_jax import config as config_lib, sharding  # noqa: E402
 
 
-def torch_step_fn(config, vocab: int, batch):
+def torch_step_fn(config, vocab: int, batch, compile_model: bool = False):
   import torch
   from torch import nn
   # The same kind of device as ours: CUDA when JAX runs on a GPU, else the CPU's every core.
@@ -63,17 +65,23 @@ def torch_step_fn(config, vocab: int, batch):
 
   model = TorchTransformer().to(dev)
   opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-  loss_fn = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.label_smoothing)
-  src, tgt_in, tgt = (torch.from_numpy(batch[k]).long().to(dev)
-                      for k in ("inputs", "decoder_inputs", "targets"))
+  cross_entropy = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.label_smoothing)
   # Ours in bfloat16 computes in bf16 with float32 parameters and a float32 loss: autocast.
   bf16 = m.dtype == "bfloat16"
 
-  def step():
-    opt.zero_grad(set_to_none=True)
+  def forward_loss(src, tgt_in, tgt):
     with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
       logits = model(src, tgt_in)
-    loss = loss_fn(logits.float().reshape(-1, vocab), tgt.reshape(-1))
+    return cross_entropy(logits.float().reshape(-1, vocab), tgt.reshape(-1))
+
+  if compile_model:  # Forward and loss in one graph; backward compiled by AOTAutograd.
+    forward_loss = torch.compile(forward_loss)
+  src, tgt_in, tgt = (torch.from_numpy(batch[k]).long().to(dev)
+                      for k in ("inputs", "decoder_inputs", "targets"))
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    loss = forward_loss(src, tgt_in, tgt)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     opt.step()
@@ -104,6 +112,8 @@ def main():
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="config override, e.g. --set model.d_model=512")
+  parser.add_argument("--compile", action="store_true",
+                      help="also time the PyTorch model under torch.compile")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   config = load_config(args.config, args.set)
@@ -114,6 +124,8 @@ def main():
 
   steps = {"jax": jax_step_fn(config, batch)}
   steps["torch"], torch_version = torch_step_fn(config, vocab, batch)
+  if args.compile:
+    steps["torch.compile"], _ = torch_step_fn(config, vocab, batch, compile_model=True)
   times = interleaved(steps, args.rounds, calls=args.steps)
   median = {name: statistics.median(t) for name, t in times.items()}
   tokens = rows * config.max_len
@@ -123,14 +135,16 @@ def main():
         f"FFN {config.model.ffn_dim}, {config.model.num_heads} heads, vocab {vocab}, "
         f"batch {rows} x {config.max_len} tokens a side")
   for name in steps:
-    print(f"{name:>6}: median step {median[name] * 1e3:8.1f} ms "
+    print(f"{name:>13}: median step {median[name] * 1e3:8.1f} ms "
           f"(min {min(times[name]) * 1e3:.1f}, max {max(times[name]) * 1e3:.1f}), "
           f"{tokens / median[name]:8.0f} target tokens/s")
-  ratio = median["torch"] / median["jax"]
-  print(f"ours / PyTorch throughput: {ratio:.2f}x")
+  ratios = {name: median[name] / median["jax"] for name in steps if name != "jax"}
+  for name, ratio in ratios.items():
+    print(f"ours / {name} throughput: {ratio:.2f}x")
   if args.json:
     Path(args.json).write_text(json.dumps({"median_s": median, "times_s": times,
-                                           "ratio": ratio, "torch": torch_version}, indent=2))
+                                           "ratio": ratios["torch"], "ratios": ratios,
+                                           "torch": torch_version}, indent=2))
 
 
 if __name__ == "__main__":

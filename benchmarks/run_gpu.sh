@@ -5,10 +5,13 @@
 #         big sizes in bfloat16 with cuDNN attention (attention_impl=auto).
 # PART 2: the cuDNN test again, base size with the unsafe_rbg PRNG (dropout masks), the two sizes
 #         with XLA attention, PyTorch side by side at base size, decode speed.
+# PART 3: the fused (chunked) loss and gradient accumulation at base and big size (memory report
+#         and step time, round-robin), ours against eager and torch.compile'd PyTorch at base
+#         size, and the base step's profile with and without the chunked loss.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures.
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [1|2]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [1|2|3]}
 part=${2:-1}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -33,6 +36,20 @@ if [ "$part" = 1 ]; then
   step tests 240 $py -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_decode.py
   step base_cudnn 200 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_cudnn.json"
   step big_cudnn 200 $py benchmarks/train_step.py "${big[@]}" --json "$out/big_cudnn.json"
+elif [ "$part" = 3 ]; then
+  for size in base big; do
+    step "variants_$size" 300 $py benchmarks/step_variants.py --config "configs/wmt14_$size.py" \
+        --steps 20 --variant loss_chunks=1 --variant loss_chunks=4 --variant loss_chunks=8 \
+        --variant grad_accum_steps=4 --variant grad_accum_steps=4,loss_chunks=4 \
+        --json "$out/variants_$size.json"
+  done
+  step compare_compile 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      $py benchmarks/compare_pytorch.py --config configs/wmt14_base.py --compile \
+      --json "$out/compare_compile.json"
+  for chunks in 1 4; do
+    step "profile_chunks$chunks" 200 $py benchmarks/profile_step.py --config configs/wmt14_base.py \
+        --set loss_chunks=$chunks
+  done
 else
   step cudnn_test 120 $py -m pytest -q -s -p no:cacheprovider tests/test_model.py -k cudnn
   step base_cudnn_rbg 150 env JAX_DEFAULT_PRNG_IMPL=unsafe_rbg $py benchmarks/train_step.py \

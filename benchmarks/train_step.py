@@ -116,7 +116,7 @@ def train_setup(config, mesh=None):
   state, shardings = train_lib.create_train_state(
       Transformer(cfg), train_lib.make_optimizer(config_lib.optimizer_config(config)), 0, mesh,
       config.max_len)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, config.label_smoothing)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, config_lib.step_config(config))
   return cfg, mesh, state, p_train
 
 

@@ -16,6 +16,13 @@ DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA", ROOT.parent / "shared" / "dat
 
 
 @pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+  """One persistent compilation cache for the train.py processes the tests start (the same
+  smoke programs compile once)."""
+  return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory) -> str:
   return str(tmp_path_factory.mktemp("tfds"))
 
@@ -27,12 +34,13 @@ def fra_eng_builder(tfds_dir):
 
 
 @pytest.fixture
-def smoke_config(tfds_dir):
-  """configs/fra_eng.py:smoke pointed at the shared data, without the TensorFlow-free writers."""
+def smoke_config(tfds_dir, cache_dir):
+  """configs/fra_eng.py:smoke pointed at the shared data and the tests' compilation cache."""
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
   config.data_dir = str(DATA / "fra-eng")
   config.tfds_dir = tfds_dir
+  config.compilation_cache_dir = str(cache_dir)
   return config
 
 

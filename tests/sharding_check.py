@@ -40,7 +40,7 @@ def run(mesh_shape, devices):
   state, shardings = train_lib.create_train_state(model, train_lib.make_optimizer(
       config_lib.optimizer_config(config)), 0,
                                                   mesh, 12)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, 0.1)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
   losses = []
   with sharding.mesh_context(mesh):
     for batch in batches(4):

@@ -28,6 +28,9 @@ def _cli(*args, devices=1):
 @pytest.mark.parametrize("args,devices,message", [
     (["--config.batch_size=6", "--config.mesh_shape=(4,1,1)"], 4,
      "error: batch_size=6 does not split over the mesh's 4 data-parallel devices"),
+    (["--config.batch_size=8", "--config.grad_accum_steps=4", "--config.mesh_shape=(4,1,1)"],
+     4, "error: batch_size=8 / grad_accum_steps=4 = 2 rows a microbatch do not split over the "
+     "mesh's 4 data-parallel devices"),
     (["--config.mesh_shape=(8,1,1)"], 1,
      "error: mesh_shape (8, 1, 1) needs 8 devices, found 1 (cpu)"),
 ])
@@ -65,6 +68,8 @@ def test_empty_workdir_flag(tmp_path):
     (dict(warmup_steps=-5), "warmup_steps=-5 must be >= 0"),
     (dict(nonfinite="ignore"), "nonfinite='ignore' must be 'stop' or 'skip'"),
     (dict(batch_size=0), "batch_size=0 must be positive"),
+    (dict(grad_accum_steps=3), "grad_accum_steps=3 must be positive and divide batch_size=16"),
+    (dict(loss_chunks=5), "loss_chunks=5 must be positive and divide max_len=32"),
     (dict(dataset="wmt99"), "dataset='wmt99' is unknown"),
 ])
 def test_bad_config_values_are_named(smoke_config, tmp_path, change, message):

@@ -69,7 +69,7 @@ class Block(importlib.abc.MetaPathFinder):
       raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
-import benchmarks.profile_step
+import benchmarks.profile_step, benchmarks.step_variants
 import transformer_jax.translate, transformer_jax.visualize
 try:
   import transformer_jax.data.sources
@@ -95,3 +95,24 @@ def test_profile_sums_each_kernel_per_device_timeline(tmp_path):
     json.dump({"traceEvents": events}, f)
   got = profile_step.kernel_times(trace)
   assert got == {"/device:GPU:0": {"gemm": 12, "softmax": 2}, "/host:CPU": {"gemm": 100}}
+
+
+def test_step_variants_reports_each_variants_memory_and_time(tmp_path):
+  out = tmp_path / "v.json"
+  result = subprocess.run(
+      [sys.executable, "benchmarks/step_variants.py", "--config", "configs/fra_eng.py:smoke",
+       "--steps", "2", "--variant", "loss_chunks=1", "--variant",
+       "grad_accum_steps=2,loss_chunks=4", "--json", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  got = json.loads(out.read_text())["results"]
+  assert list(got) == ["loss_chunks=1", "grad_accum_steps=2,loss_chunks=4"]
+  for r in got.values():
+    assert r["memory"]["temp_size_in_bytes"] > 0 and len(r["step_s"]) == 2
+  assert got["loss_chunks=1"]["temp_ratio"] == 1.0 and got["loss_chunks=1"]["step_ratio"] == 1.0
+  # Half the rows at a time, a quarter of their logits at a time.
+  assert got["grad_accum_steps=2,loss_chunks=4"]["temp_ratio"] < 0.8
+  bad = subprocess.run(
+      [sys.executable, "benchmarks/step_variants.py", "--config", "configs/fra_eng.py:smoke",
+       "--aot_only", "--variant", "loss_chunks=5"], cwd=ROOT, capture_output=True, text=True)
+  assert bad.returncode != 0 and "loss_chunks=5 must be positive and divide max_len=32" in bad.stderr

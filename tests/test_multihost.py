@@ -15,9 +15,9 @@ import portpicker
 from tests.conftest import DATA, ROOT
 
 
-def _train(workdir, tfds_dir, num_steps, processes, extra=(), devices=4):
+def _train(workdir, tfds_dir, cache_dir, num_steps, processes, extra=(), devices=4):
   """Runs train.py's smoke config on `devices` CPU devices (data parallel) in `processes`
-  processes; returns the logs."""
+  processes, sharing the compilation cache `cache_dir`; returns the logs."""
   port = portpicker.pick_unused_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // processes}")
@@ -25,7 +25,8 @@ def _train(workdir, tfds_dir, num_steps, processes, extra=(), devices=4):
          "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
          f"--config.tfds_dir={tfds_dir}", f"--config.num_steps={num_steps}",
          f"--config.mesh_shape=({devices},1,1)", "--config.num_bleu_sentences=16",
-         "--config.log_every=1", "--config.num_workers=0", *extra]
+         "--config.log_every=1", "--config.num_workers=0",
+         f"--config.compilation_cache_dir={cache_dir}", *extra]
   if processes > 1:
     cmd += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes)]
   procs = [subprocess.Popen(cmd + (["--process_id", str(i)] if processes > 1 else []), cwd=ROOT,
@@ -41,8 +42,8 @@ def _train_records(workdir):
   return {r["step"]: r for r in records if "train/loss" in r}
 
 
-def test_two_process_training_run(tmp_path, tfds_dir, fra_eng_builder):
-  logs = _train(tmp_path / "w", tfds_dir, 10, processes=2)
+def test_two_process_training_run(tmp_path, tfds_dir, cache_dir, fra_eng_builder):
+  logs = _train(tmp_path / "w", tfds_dir, cache_dir, 10, processes=2)
   # Both processes computed the same global evaluation over the 4 devices.
   evals = [[line.split("] ", 1)[1] for line in log.splitlines() if "eval/loss=" in line]
            for log in logs]
@@ -55,27 +56,27 @@ def test_two_process_training_run(tmp_path, tfds_dir, fra_eng_builder):
 
 
 def test_resuming_on_another_number_of_processes_or_devices_sees_the_same_batches(
-    tmp_path, tfds_dir, fra_eng_builder):
-  _train(tmp_path / "straight", tfds_dir, 12, processes=1,
+    tmp_path, tfds_dir, cache_dir, fra_eng_builder):
+  _train(tmp_path / "straight", tfds_dir, cache_dir, 12, processes=1,
          extra=["--config.num_bleu_sentences=0"])
   straight = _train_records(tmp_path / "straight")
-  # (processes, devices) of three legs of 4 steps each: 2 processes -> 1 on 4 devices, then
-  # 4 devices -> 1; and 1 device -> 4, then 1 process -> 2.
-  for legs in (((2, 4), (1, 4), (1, 1)), ((1, 1), (1, 4), (2, 4))):
-    workdir = tmp_path / "-".join(f"{p}x{d}" for p, d in legs)
-    for i, (processes, devices) in enumerate(legs):
-      logs = _train(workdir, tfds_dir, 4 * (i + 1), processes=processes, devices=devices,
-                    extra=["--config.checkpoint_every=4", "--config.num_bleu_sentences=0"])
-      if i:
-        assert f"Resuming from the checkpoint of step {4 * i}" in logs[0]
-    moved = _train_records(workdir)
-    assert sorted(moved) == sorted(straight) == list(range(1, 13))
-    for step in straight:
-      # The same global batches: the same real-token counts exactly, the same losses up to
-      # the order of floating-point reductions across processes.
-      assert moved[step]["train/tokens"] == straight[step]["train/tokens"], step
-      np.testing.assert_allclose(moved[step]["train/loss"], straight[step]["train/loss"],
-                                 rtol=2e-4, err_msg=f"step {step}")
+  # (processes, devices) of three legs of 4 steps each: 2 processes on 4 devices -> 1 process on
+  # 1 device -> 2 processes on 4 devices again (fewer and more of both).
+  workdir = tmp_path / "moved"
+  for i, (processes, devices) in enumerate(((2, 4), (1, 1), (2, 4))):
+    logs = _train(workdir, tfds_dir, cache_dir, 4 * (i + 1), processes=processes,
+                  devices=devices,
+                  extra=["--config.checkpoint_every=4", "--config.num_bleu_sentences=0"])
+    if i:
+      assert f"Resuming from the checkpoint of step {4 * i}" in logs[0]
+  moved = _train_records(workdir)
+  assert sorted(moved) == sorted(straight) == list(range(1, 13))
+  for step in straight:
+    # The same global batches: the same real-token counts exactly, the same losses up to the
+    # order of floating-point reductions across processes.
+    assert moved[step]["train/tokens"] == straight[step]["train/tokens"], step
+    np.testing.assert_allclose(moved[step]["train/loss"], straight[step]["train/loss"],
+                               rtol=2e-4, err_msg=f"step {step}")
 
 
 def test_slurm_environment_two_processes_stop_together_on_sigterm(tmp_path, tfds_dir,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import sys
+import warnings
 from pathlib import Path
 
 import flax.linen as nn
@@ -95,14 +97,14 @@ class Checkpointer:
       CheckpointDamagedError: every checkpoint is damaged.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
+    _drop_abandoned_read_errors()
     for step in steps:
       try:
         state, data = self.restore(step, state_like, state_shardings)
         self._verify(step, state)
         return step, state, data
       except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
-        logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one "
-                        "before it", step, self.directory, _first_line(e))
+        self._report_damaged(step, e)
         self._set_aside(step)
     if steps:
       raise CheckpointDamagedError(
@@ -132,14 +134,14 @@ class Checkpointer:
       CheckpointDamagedError: every checkpoint is damaged.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
+    _drop_abandoned_read_errors()
     if not steps:
       raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
     for step in steps:
       try:
         return step, self.restore_params(step, boxed_params_like, mesh)
       except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
-        logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one "
-                        "before it", step, self.directory, _first_line(e))
+        self._report_damaged(step, e)
     raise CheckpointDamagedError(f"every checkpoint in {self.directory} is damaged "
                                  f"(steps {sorted(steps)})")
 
@@ -175,6 +177,10 @@ class Checkpointer:
     if bad:
       raise ValueError(f"{len(bad)} arrays differ from their fingerprints, e.g. {bad[0]}")
 
+  def _report_damaged(self, step: int, error: Exception) -> None:
+    logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one before it",
+                    step, self.directory, _first_line(error))
+
   def _set_aside(self, step: int) -> None:
     """Renames a damaged checkpoint out of the manager's sight (process 0 only)."""
     if jax.process_index() == 0:
@@ -201,3 +207,29 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+_ABANDONED_READ_ERRORS = ("Event loop is closed", "Encountered error while reading array index")
+
+
+def _drop_abandoned_read_errors() -> None:
+  """Quiets the echoes of a read that fails on a damaged checkpoint (which is reported once).
+
+  The read stops at the first array that fails; orbax then closes its event loop while
+  tensorstore finishes the other reads, and each of them reports the closed loop or the same
+  damage through `sys.unraisablehook`, or leaves a coroutine never awaited, at any later time
+  (often at exit, after a command's one error line). Exactly those are dropped; every other
+  unraisable exception goes to the hook in place before.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_abandoned_reads", False):
+    return
+
+  def hook(unraisable):
+    if not str(unraisable.exc_value).startswith(_ABANDONED_READ_ERRORS):
+      previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
+  warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
+                          "awaited", RuntimeWarning)

@@ -52,6 +52,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(config.max_nonfinite_in_row > 0,
          f"max_nonfinite_in_row={config.max_nonfinite_in_row} must be positive")
   _check(config.nan_at_step >= 0, f"nan_at_step={config.nan_at_step} must be >= 0 (0: never)")
+  _check(config.grad_accum_steps > 0 and config.batch_size % config.grad_accum_steps == 0,
+         f"grad_accum_steps={config.grad_accum_steps} must be positive and divide "
+         f"batch_size={config.batch_size} (the rows of one optimizer step)")
+  _check(config.loss_chunks > 0 and config.max_len % config.loss_chunks == 0,
+         f"loss_chunks={config.loss_chunks} must be positive and divide max_len={config.max_len}")
   _check(0 <= config.label_smoothing < 1,
          f"label_smoothing={config.label_smoothing} must be in [0, 1)")
   _check(len(config.mesh_shape) == 3,
@@ -85,6 +90,10 @@ def checked_mesh(config: ml_collections.ConfigDict):
     _check(config[field] % data_parallel == 0,
            f"{field}={config[field]} does not split over the mesh's {data_parallel} "
            "data-parallel devices (data x fsdp); use a multiple of it")
+  micro = config.batch_size // config.grad_accum_steps
+  _check(micro % data_parallel == 0,
+         f"batch_size={config.batch_size} / grad_accum_steps={config.grad_accum_steps} = {micro} "
+         f"rows a microbatch do not split over the mesh's {data_parallel} data-parallel devices")
   return mesh
 
 
@@ -130,6 +139,12 @@ def optimizer_config(config: ml_collections.ConfigDict):
   return OptimizerConfig(**{f.name: config[f.name] for f in dataclasses.fields(OptimizerConfig)})
 
 
+def step_config(config: ml_collections.ConfigDict):
+  """The train and eval steps' fields as a frozen train_lib.StepConfig."""
+  from transformer_jax.train_lib import StepConfig
+  return StepConfig(**{f.name: config[f.name] for f in dataclasses.fields(StepConfig)})
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every field a config can set, with defaults; experiments in configs/ override them."""
   c = ml_collections.ConfigDict()
@@ -168,6 +183,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.weight_decay = 0.0
   c.grad_clip = 1.0  # Global gradient-norm bound; 0: no clipping.
   c.label_smoothing = 0.1
+  # Microbatches a step's batch is cut into, their gradients summed before the one update: the
+  # same update with the activation memory of batch_size / grad_accum_steps rows.
+  c.grad_accum_steps = 1
+  # Slices of the target length the vocabulary projection and loss run over one at a time
+  # (recomputed in the backward pass): the [tokens, vocabulary] logits are never whole.
+  c.loss_chunks = 1
   # A step with a non-finite loss or gradient never changes the parameters. "stop": exit with
   # an error naming it; "skip": go on (counted in the log), until max_nonfinite_in_row in a row.
   c.nonfinite = "stop"

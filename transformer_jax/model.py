@@ -411,6 +411,12 @@ class Transformer(nn.Module):
   def decode(self, memory, tgt_in, src_segments, tgt_segments=None, tgt_positions=None,
              deterministic=True):
     """memory: [B, S, D], tgt_in: [B, T] -> logits [B, T, V] (float32)."""
+    return self.project(self.decode_features(memory, tgt_in, src_segments, tgt_segments,
+                                             tgt_positions, deterministic))
+
+  def decode_features(self, memory, tgt_in, src_segments, tgt_segments=None,
+                      tgt_positions=None, deterministic=True):
+    """decode() up to the vocabulary projection: [B, T, D] in the compute dtype."""
     tgt_segments, tgt_positions = _default_segments(tgt_in, tgt_segments, tgt_positions)
     self_mask = attention_mask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
     cross_mask = attention_mask(tgt_segments, src_segments)  # [B, 1, T, S]
@@ -421,10 +427,11 @@ class Transformer(nn.Module):
     else:
       for block in self.decoder_blocks:
         y = block(y, memory, self_mask, cross_mask, deterministic)
-    if self.cfg.pre_ln:
-      y = self.decoder_norm(y)
-    logits = self._logits(y)
-    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    return self.decoder_norm(y) if self.cfg.pre_ln else y
+
+  def project(self, y):
+    """Decoder features [B, T, D] -> logits [B, T, V] (float32)."""
+    logits = nn.with_logical_constraint(self._logits(y), ("batch", "length", "vocab"))
     return logits.astype(jnp.float32)
 
   def init_cache(self, memory, src_segments, max_len: int):
@@ -471,9 +478,17 @@ class Transformer(nn.Module):
 
     Segment ids default to `tokens != 0` and positions to 0..L-1: the unpacked, padded case.
     """
+    return self.project(self.features(src, tgt_in, src_segments, tgt_segments, src_positions,
+                                      tgt_positions, deterministic))
+
+  def features(self, src, tgt_in, src_segments=None, tgt_segments=None, src_positions=None,
+               tgt_positions=None, deterministic=True):
+    """__call__ up to the vocabulary projection: [B, T, D] decoder features (a loss can then
+    project them slice by slice with `project`)."""
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)
     memory = self.encode(src, src_segments, src_positions, deterministic)
-    return self.decode(memory, tgt_in, src_segments, tgt_segments, tgt_positions, deterministic)
+    return self.decode_features(memory, tgt_in, src_segments, tgt_segments, tgt_positions,
+                                deterministic)
 
 
 def _default_segments(tokens, segments, positions):

@@ -83,6 +83,15 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed:
   return state, shardings
 
 
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The config fields the train and eval steps use (meanings in transformer_jax/config.py)."""
+  label_smoothing: float = 0.1
+  grad_accum_steps: int = 1
+  loss_chunks: int = 1
+  nan_at_step: int = 0
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def token_losses(logits: jax.Array, targets: jax.Array, label_smoothing: float):
   """Per-token smoothed loss and negative log-likelihood, [B, T] each, from integer labels.
@@ -134,42 +143,109 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   }
 
 
-def _apply(apply_fn, params, batch: Batch, deterministic: bool, rngs=None):
+def _apply(apply_fn, params, batch: Batch, deterministic: bool, rngs=None, method=None):
   return apply_fn({"params": params}, batch["inputs"], batch["decoder_inputs"],
                   src_segments=batch["inputs_segment_ids"],
                   tgt_segments=batch["targets_segment_ids"],
                   src_positions=batch["inputs_positions"],
                   tgt_positions=batch["targets_positions"],
-                  deterministic=deterministic, rngs=rngs)
+                  deterministic=deterministic, rngs=rngs, method=method)
 
 
-def train_step(state: TrainState, batch: Batch, label_smoothing: float, nan_at_step: int = 0):
-  """One optimizer step on the mean smoothed loss per real target token.
+_SUMS = ("loss_sum", "nll_sum", "correct", "tokens")
+
+
+def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss_chunks: int = 1,
+              deterministic: bool = True, rngs=None) -> dict[str, jax.Array]:
+  """cross_entropy's sums over a batch.
+
+  With `loss_chunks` > 1 the vocabulary projection and the loss run over that many slices of
+  the target length in turn (a `lax.scan`), and each slice's logits are recomputed in the
+  backward pass: the [B, T, V] float32 logits and their gradient never exist whole, only one
+  [B, T / loss_chunks, V] slice at a time. The sums equal the unchunked ones up to the order of
+  floating-point additions.
+  """
+  targets, weights = batch["targets"], batch["targets_segment_ids"] > 0
+  if loss_chunks == 1:
+    logits = _apply(apply_fn, params, batch, deterministic, rngs)
+    return cross_entropy(logits, targets, weights, label_smoothing)
+  features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
+  rows, length = targets.shape
+  if length % loss_chunks:
+    raise ValueError(f"loss_chunks={loss_chunks} does not divide the target length {length}")
+
+  def slices(x):  # [B, T, ...] -> [loss_chunks, B, T / loss_chunks, ...]
+    return jnp.moveaxis(x.reshape(rows, loss_chunks, length // loss_chunks, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def slice_sums(params, features, targets, weights):
+    logits = apply_fn({"params": params}, features, method="project")
+    return cross_entropy(logits, targets, weights, label_smoothing)
+
+  def add_slice(total, xs):
+    return jax.tree.map(jnp.add, total, slice_sums(params, *xs)), None
+
+  zeros = {k: jnp.zeros((), jnp.float32) for k in _SUMS}
+  return jax.lax.scan(add_slice, zeros, (slices(features), slices(targets), slices(weights)))[0]
+
+
+def microbatches(batch: Batch, k: int) -> Batch:
+  """[B, ...] arrays -> [k, B / k, ...]; microbatch j holds rows j, j + k, j + 2k, ..., so that
+  rows sharded in contiguous blocks over the data axes stay on their devices."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1),
+                      batch)
+
+
+def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
+  """One optimizer step on the mean smoothed loss per real target token of the batch.
+
+  With `cfg.grad_accum_steps` = k > 1 the batch is cut into k microbatches whose gradients are
+  summed in a `lax.scan` before the one update: the same update as the whole batch at once (up
+  to the order of additions; each microbatch draws its own dropout masks), with the activations
+  of one microbatch in memory.
 
   A step whose loss or gradient norm is not finite changes nothing but the step count: its
   update is dropped on the device, and `metrics["nonfinite"]` is 1 (the host reads it when it
-  logs; see NonFiniteGuard). `nan_at_step` > 0 makes that step's loss and gradients NaN (a
+  logs; see NonFiniteGuard). `cfg.nan_at_step` > 0 makes that step's loss and gradients NaN (a
   fault injected by tests).
   """
   dropout_rng = jax.random.fold_in(state.rng, state.step)
+  # The loss is a mean over the whole batch's real target tokens, whichever microbatch they are in.
+  tokens = jnp.maximum(jnp.sum(batch["targets_segment_ids"] > 0).astype(jnp.float32), 1.0)
 
-  def loss_fn(params):
-    logits = _apply(state.apply_fn, params, batch, False, {"dropout": dropout_rng})
-    sums = cross_entropy(logits, batch["targets"], batch["targets_segment_ids"] > 0,
-                         label_smoothing)
-    loss = sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0)
-    if nan_at_step:
-      loss = loss * jnp.where(state.step + 1 == nan_at_step, jnp.nan, 1.0)
-    return loss, sums
+  def mean_loss(sums):
+    loss = sums["loss_sum"] / tokens
+    if cfg.nan_at_step:
+      loss = loss * jnp.where(state.step + 1 == cfg.nan_at_step, jnp.nan, 1.0)
+    return loss
 
-  (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  def loss_fn(params, batch, rng):
+    sums = loss_sums(state.apply_fn, params, batch, cfg.label_smoothing, cfg.loss_chunks, False,
+                     {"dropout": rng})
+    return mean_loss(sums), sums
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  k = cfg.grad_accum_steps
+  if k == 1:
+    (loss, sums), grads = grad_fn(state.params, batch, dropout_rng)
+  else:
+    def add_microbatch(total, xs):
+      micro, j = xs
+      (_, sums), grads = grad_fn(state.params, micro, jax.random.fold_in(dropout_rng, j))
+      return jax.tree.map(jnp.add, total, (grads, sums)), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, state.params),
+             {name: jnp.zeros((), jnp.float32) for name in _SUMS})
+    (grads, sums), _ = jax.lax.scan(add_microbatch, zeros,
+                                    (microbatches(batch, k), jnp.arange(k)))
+    loss = mean_loss(sums)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   new_state = state.apply_gradients(grads=grads)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   new_state = new_state.replace(params=keep(new_state.params, state.params),
                                 opt_state=keep(new_state.opt_state, state.opt_state))
-  metrics = {"loss": loss, "nll": sums["nll_sum"] / jnp.maximum(sums["tokens"], 1.0),
+  metrics = {"loss": loss, "nll": sums["nll_sum"] / tokens,
              "grad_norm": grad_norm, "tokens": sums["tokens"],
              "nonfinite": 1.0 - finite.astype(jnp.float32)}
   return new_state, metrics
@@ -223,20 +299,19 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+def eval_step(state: TrainState, batch: Batch, loss_chunks: int = 1) -> dict[str, jax.Array]:
   """Sums over the batch (combine across batches, then divide)."""
-  logits = _apply(state.apply_fn, state.params, batch, True)
-  return cross_entropy(logits, batch["targets"], batch["targets_segment_ids"] > 0)
+  return loss_sums(state.apply_fn, state.params, batch, loss_chunks=loss_chunks)
 
 
-def jit_steps(state_shardings, mesh: Mesh, label_smoothing: float, nan_at_step: int = 0):
+def jit_steps(state_shardings, mesh: Mesh, cfg: StepConfig):
   """train_step and eval_step jitted once with shardings; the train state is donated."""
   batch_sh, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  p_train = jax.jit(functools.partial(train_step, label_smoothing=label_smoothing,
-                                      nan_at_step=nan_at_step),
+  p_train = jax.jit(functools.partial(train_step, cfg=cfg),
                     in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, rep),
                     donate_argnums=0)
-  p_eval = jax.jit(eval_step, in_shardings=(state_shardings, batch_sh), out_shardings=rep)
+  p_eval = jax.jit(functools.partial(eval_step, loss_chunks=cfg.loss_chunks),
+                   in_shardings=(state_shardings, batch_sh), out_shardings=rep)
   return p_train, p_eval
 
 

@@ -1,0 +1,116 @@
+"""Gradient accumulation and the chunked (fused) vocabulary projection + loss: the same numbers
+as the plain step, with less memory in XLA's ahead-of-time report."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+from benchmarks.train_step import synthetic_batch
+from tests.conftest import tiny_model_config
+from transformer_jax import sharding, train_lib
+from transformer_jax.model import Transformer
+
+ROWS, LENGTH, VOCAB = 16, 32, 1024
+
+
+def _batch(rows=ROWS):
+  batch = synthetic_batch(rows, LENGTH, VOCAB, seed=1)
+  # Ragged rows: the last 3 to 9 target positions are padding.
+  for r in range(rows):
+    batch["targets_segment_ids"][r, LENGTH - 3 - r % 7:] = 0
+  return batch
+
+
+@functools.lru_cache(maxsize=None)
+def _step(step_cfg: train_lib.StepConfig, rows: int = ROWS):
+  """(new parameters, metrics, AOT temporaries in bytes) of one compiled train step on _batch:
+  the tiny model with a large vocabulary (so that the logits weigh), plain SGD (so that the new
+  parameters show the gradients themselves)."""
+  mesh = sharding.make_mesh((-1, 1, 1))
+  model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
+  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), 0, mesh, LENGTH)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, step_cfg)
+  with sharding.mesh_context(mesh):
+    batch = sharding.global_batch(_batch(rows), mesh)
+    compiled = p_train.lower(state, batch).compile()
+    old_params = jax.device_get(state.params)
+    new_state, metrics = compiled(state, batch)
+  assert _max_difference(jax.device_get(new_state.params), old_params) > 1e-3  # It learnt.
+  return (jax.device_get(new_state.params), {k: float(v) for k, v in metrics.items()},
+          compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _max_difference(a, b):
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _assert_params_close(a, b):
+  # float32 sums in another order: differences of a few ulps of the largest gradient.
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulated_microbatches_give_the_update_of_the_whole_batch():
+  whole_params, whole, _ = _step(train_lib.StepConfig(label_smoothing=0.1))
+  accum_params, accum, _ = _step(train_lib.StepConfig(label_smoothing=0.1, grad_accum_steps=4))
+  _assert_params_close(accum_params, whole_params)
+  assert accum["tokens"] == whole["tokens"] == float((_batch()["targets_segment_ids"] > 0).sum())
+  for key in ("loss", "nll", "grad_norm"):
+    np.testing.assert_allclose(accum[key], whole[key], rtol=1e-6)
+
+
+def test_accumulated_step_needs_about_the_memory_of_one_microbatch():
+  micro = _step(train_lib.StepConfig(label_smoothing=0.1), ROWS // 4)[2]
+  accumulated = _step(train_lib.StepConfig(label_smoothing=0.1, grad_accum_steps=4))[2]
+  whole = _step(train_lib.StepConfig(label_smoothing=0.1))[2]
+  assert accumulated <= 1.2 * micro
+  assert whole > 2 * micro  # The batch's activations would be 4x those of a microbatch.
+
+
+def test_chunked_loss_equals_the_full_loss_through_the_tied_embedding():
+  # The untied output projection is compared in the train-step tests below.
+  model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB,
+                                        tie_output=True, share_embeddings=True))
+  batch = _batch()
+  params = nn.meta.unbox(model.init(jax.random.key(0), batch["inputs"][:1],
+                                    batch["decoder_inputs"][:1])["params"])
+
+  def sums(params, chunks):
+    return train_lib.loss_sums(model.apply, params, batch, 0.1, chunks)
+
+  grad = lambda chunks: jax.jit(jax.grad(lambda p: sums(p, chunks)["loss_sum"]))(params)
+  full, chunked = jax.jit(sums, static_argnums=1)(params, 1), jax.jit(
+      sums, static_argnums=1)(params, 4)
+  assert chunked["tokens"] == full["tokens"] and chunked["correct"] == full["correct"]
+  for key in ("loss_sum", "nll_sum"):
+    np.testing.assert_allclose(chunked[key], full[key], rtol=1e-6)
+  full_grad, chunked_grad = grad(1), grad(4)
+  assert full_grad.keys() == chunked_grad.keys()
+  for x, y in zip(jax.tree.leaves(chunked_grad), jax.tree.leaves(full_grad)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+  # The output layer's gradient is really there (and really compared).
+  assert float(np.abs(full_grad["src_embed"]["embedding"]).max()) > 1e-2
+
+
+def test_chunked_loss_step_equals_the_plain_step_with_less_memory():
+  plain_params, plain, plain_temporaries = _step(train_lib.StepConfig(label_smoothing=0.1))
+  chunked_params, chunked, chunked_temporaries = _step(
+      train_lib.StepConfig(label_smoothing=0.1, loss_chunks=4))
+  _assert_params_close(chunked_params, plain_params)
+  np.testing.assert_allclose(chunked["loss"], plain["loss"], rtol=1e-6)
+  assert chunked_temporaries <= 0.8 * plain_temporaries
+
+
+def test_loss_chunks_must_divide_the_length():
+  model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
+  batch = _batch()
+  params = nn.meta.unbox(model.init(jax.random.key(0), batch["inputs"][:1],
+                                    batch["decoder_inputs"][:1])["params"])
+  with pytest.raises(ValueError, match="loss_chunks=5 does not divide the target length 32"):
+    train_lib.loss_sums(model.apply, params, batch, 0.1, 5)
