@@ -396,6 +396,15 @@ class Transformer(nn.Module):
     dt = self.cfg.compute_dtype
     return tied_logits(y.astype(dt), self.tgt_embed.embedding.astype(dt))
 
+  def output_weights(self):
+    """(kernel [D, V], bias [V] or None) of the vocabulary projection in the compute dtype:
+    the tied embedding transposed, or the output layer's parameters."""
+    dt = self.cfg.compute_dtype
+    if self.cfg.tie_output:
+      return self.tgt_embed.embedding.astype(dt).T, None
+    params = self.output_proj.variables["params"]
+    return params["kernel"].astype(dt), params["bias"].astype(dt)
+
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)

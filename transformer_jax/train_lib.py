@@ -157,36 +157,85 @@ _SUMS = ("loss_sum", "nll_sum", "correct", "tokens")
 
 def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss_chunks: int = 1,
               deterministic: bool = True, rngs=None) -> dict[str, jax.Array]:
-  """cross_entropy's sums over a batch.
-
-  With `loss_chunks` > 1 the vocabulary projection and the loss run over that many slices of
-  the target length in turn (a `lax.scan`), and each slice's logits are recomputed in the
-  backward pass: the [B, T, V] float32 logits and their gradient never exist whole, only one
-  [B, T / loss_chunks, V] slice at a time. The sums equal the unchunked ones up to the order of
-  floating-point additions.
-  """
+  """cross_entropy's sums over a batch; with `loss_chunks` > 1 through projected_loss (the
+  [B, T, V] logits never whole; only `loss_sum` is differentiable then)."""
   targets, weights = batch["targets"], batch["targets_segment_ids"] > 0
   if loss_chunks == 1:
     logits = _apply(apply_fn, params, batch, deterministic, rngs)
     return cross_entropy(logits, targets, weights, label_smoothing)
   features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
-  rows, length = targets.shape
-  if length % loss_chunks:
-    raise ValueError(f"loss_chunks={loss_chunks} does not divide the target length {length}")
+  kernel, bias = apply_fn({"params": params}, method="output_weights")
+  loss_sum, stats = projected_loss(features, kernel, bias, targets,
+                                   weights.astype(jnp.float32), label_smoothing, loss_chunks)
+  return {"loss_sum": loss_sum, **jax.lax.stop_gradient(stats)}
 
-  def slices(x):  # [B, T, ...] -> [loss_chunks, B, T / loss_chunks, ...]
-    return jnp.moveaxis(x.reshape(rows, loss_chunks, length // loss_chunks, *x.shape[2:]), 1, 0)
 
-  @jax.checkpoint
-  def slice_sums(params, features, targets, weights):
-    logits = apply_fn({"params": params}, features, method="project")
-    return cross_entropy(logits, targets, weights, label_smoothing)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def projected_loss(features, kernel, bias, targets, weights, label_smoothing: float,
+                   chunks: int):
+  """The vocabulary projection and the smoothed loss fused, `chunks` slices of the length at a
+  time: (loss_sum, {nll_sum, correct, tokens}) as cross_entropy(features @ kernel + bias, ...)
+  gives them, up to the order of float additions.
 
-  def add_slice(total, xs):
-    return jax.tree.map(jnp.add, total, slice_sums(params, *xs)), None
+  Each slice's gradient is formed in the forward pass, right after its loss (the loss is the
+  last thing computed, so its gradient is the cotangent times that), and its logits are dropped:
+  only one [B, T / chunks, V] slice of logits exists at a time, nothing is recomputed, and the
+  backward pass only scales the saved gradients. Only `loss_sum` is differentiable: the
+  statistics' cotangents are ignored (loss_sums stops their gradients).
 
-  zeros = {k: jnp.zeros((), jnp.float32) for k in _SUMS}
-  return jax.lax.scan(add_slice, zeros, (slices(features), slices(targets), slices(weights)))[0]
+  Args:
+    features: [B, T, D] decoder output. kernel: [D, V], bias: [V] or None, in the compute
+      dtype. targets: [B, T] int. weights: [B, T] float32, 0 on padding.
+  """
+  return _projected_loss_fwd(features, kernel, bias, targets, weights, label_smoothing,
+                             chunks)[0]
+
+
+def _projected_loss_fwd(features, kernel, bias, targets, weights, label_smoothing, chunks):
+  rows, length, _ = features.shape
+  if length % chunks:
+    raise ValueError(f"loss_chunks={chunks} does not divide the target length {length}")
+
+  def slices(x):  # [B, T, ...] -> [chunks, B, T / chunks, ...]
+    return jnp.moveaxis(x.reshape(rows, chunks, length // chunks, *x.shape[2:]), 1, 0)
+
+  def one_slice(carry, xs):
+    d_kernel, d_bias, sums = carry
+    y, t, w = xs
+    z = jnp.einsum("bcd,dv->bcv", y, kernel)
+    logits = nn.with_logical_constraint(z if bias is None else z + bias,
+                                        ("batch", "length", "vocab")).astype(jnp.float32)
+    (smoothed, nll), residuals = _token_losses_fwd(logits, t, label_smoothing)
+    # d loss_sum / d logits: the weight of each token on the smoothed loss, none on the nll.
+    g = _token_losses_bwd(label_smoothing, residuals, (w, jnp.zeros_like(w)))[0].astype(y.dtype)
+    d_kernel = d_kernel + jnp.einsum("bcd,bcv->dv", y, g, preferred_element_type=jnp.float32)
+    if bias is not None:
+      d_bias = d_bias + jnp.sum(g, axis=(0, 1), dtype=jnp.float32)
+    sums = {"loss_sum": sums["loss_sum"] + jnp.sum(smoothed * w),
+            "nll_sum": sums["nll_sum"] + jnp.sum(nll * w),
+            "correct": sums["correct"] + jnp.sum((jnp.argmax(logits, -1) == t) * w),
+            "tokens": sums["tokens"] + jnp.sum(w)}
+    return (d_kernel, d_bias, sums), jnp.einsum("bcv,dv->bcd", g, kernel)
+
+  zeros = (jnp.zeros(kernel.shape, jnp.float32),
+           None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+           {k: jnp.zeros((), jnp.float32) for k in _SUMS})
+  (d_kernel, d_bias, sums), d_features = jax.lax.scan(
+      one_slice, zeros, (slices(features), slices(targets), slices(weights)))
+  d_features = jnp.moveaxis(d_features, 0, 1).reshape(features.shape)
+  loss_sum = sums.pop("loss_sum")
+  return (loss_sum, sums), (d_features, d_kernel.astype(kernel.dtype),
+                            None if bias is None else d_bias.astype(bias.dtype))
+
+
+def _projected_loss_bwd(label_smoothing, chunks, residuals, cotangents):
+  d_features, d_kernel, d_bias = residuals
+  g = cotangents[0]  # Of loss_sum; the statistics' are ignored (see projected_loss).
+  scale = lambda x: None if x is None else (g * x).astype(x.dtype)
+  return scale(d_features), scale(d_kernel), scale(d_bias), None, None
+
+
+projected_loss.defvjp(_projected_loss_fwd, _projected_loss_bwd)
 
 
 def microbatches(batch: Batch, k: int) -> Batch:
