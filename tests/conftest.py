@@ -51,3 +51,16 @@ def tiny_model_config(**overrides):
                 num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
   kwargs.update(overrides)
   return TransformerConfig(**kwargs)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
+  """A 20-step smoke run with checkpoints 10 and 20 (tests copy it before changing it)."""
+  import train
+  from configs import fra_eng
+  config = fra_eng.get_config("smoke")
+  config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0,
+                num_workers="0", compilation_cache_dir=str(cache_dir))
+  workdir = tmp_path_factory.mktemp("trained")
+  train.train_and_evaluate(config, str(workdir))
+  return config, workdir

@@ -115,4 +115,5 @@ def test_step_variants_reports_each_variants_memory_and_time(tmp_path):
   bad = subprocess.run(
       [sys.executable, "benchmarks/step_variants.py", "--config", "configs/fra_eng.py:smoke",
        "--aot_only", "--variant", "loss_chunks=5"], cwd=ROOT, capture_output=True, text=True)
-  assert bad.returncode != 0 and "loss_chunks=5 must be positive and divide max_len=32" in bad.stderr
+  assert bad.returncode != 0
+  assert "loss_chunks=5 must be positive and divide max_len=32" in bad.stderr

@@ -21,9 +21,9 @@ import pytest
 
 import train
 from tests.conftest import DATA, ROOT
-from transformer_jax import checkpoint, config as config_lib, sharding, train_lib
+from transformer_jax import checkpoint, config as config_lib, train_lib
+from transformer_jax.average import state_of
 from transformer_jax.data.tokenizer import Tokenizers
-from transformer_jax.model import Transformer
 from transformer_jax.generation import InferenceError
 from transformer_jax.translator import Translator
 
@@ -205,26 +205,9 @@ def _damage(step_dir, kind, every_chunk=False):
     (state / "_METADATA").write_text("")
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
-  """A 20-step smoke run with checkpoints 10 and 20."""
-  from configs import fra_eng
-  config = fra_eng.get_config("smoke")
-  config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0,
-                num_workers="0", compilation_cache_dir=str(cache_dir))
-  workdir = tmp_path_factory.mktemp("trained")
-  train.train_and_evaluate(config, str(workdir))
-  return config, workdir
-
-
 def _restore_latest(config, workdir):
   """What train.py does at start-up: restore the newest checkpoint that verifies."""
-  tokenizers = Tokenizers.load(workdir)
-  model = Transformer(config_lib.model_config(config, tokenizers.src.vocab_size,
-                                              tokenizers.tgt.vocab_size))
-  state, shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(config_lib.optimizer_config(config)), config.seed,
-      sharding.make_mesh((-1, 1, 1)), config.max_len)
+  state, shardings = state_of(config, Tokenizers.load(workdir))
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 10, 3)
   try:
     return ckpt.restore_latest(state, shardings)

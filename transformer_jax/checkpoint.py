@@ -56,7 +56,7 @@ def fingerprint_dict(tree, prefix: str = "") -> dict[str, list[int]]:
   return {p: [int(v) for v in np.asarray(f)] for p, f in zip(paths, fingerprints(tree))}
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
   text = str(error).strip().splitlines()
   return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
@@ -101,7 +101,7 @@ class Checkpointer:
     for step in steps:
       try:
         state, data = self.restore(step, state_like, state_shardings)
-        self._verify(step, state)
+        self.verify(step, state)
         return step, state, data
       except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
         self._report_damaged(step, e)
@@ -160,10 +160,10 @@ class Checkpointer:
     restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))
-    self._verify(step, restored.state["params"], prefix=".params")
+    self.verify(step, restored.state["params"], prefix=".params")
     return restored.state["params"]
 
-  def _verify(self, step: int, tree, prefix: str = "") -> None:
+  def verify(self, step: int, tree, prefix: str = "") -> None:
     """Raises ValueError where `tree`'s arrays (the state, or its part at `prefix`) differ from
     the fingerprints saved with them."""
     path = self.directory / str(step) / "fingerprints"
@@ -179,7 +179,7 @@ class Checkpointer:
 
   def _report_damaged(self, step: int, error: Exception) -> None:
     logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one before it",
-                    step, self.directory, _first_line(error))
+                    step, self.directory, first_line(error))
 
   def _set_aside(self, step: int) -> None:
     """Renames a damaged checkpoint out of the manager's sight (process 0 only)."""

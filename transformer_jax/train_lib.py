@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -202,20 +202,20 @@ def _projected_loss_fwd(features, kernel, bias, targets, weights, label_smoothin
   def one_slice(carry, xs):
     d_kernel, d_bias, sums = carry
     y, t, w = xs
-    z = jnp.einsum("bcd,dv->bcv", y, kernel)
+    z = jnp.einsum("btd,dv->btv", y, kernel)  # [B, T / chunks, V]
     logits = nn.with_logical_constraint(z if bias is None else z + bias,
                                         ("batch", "length", "vocab")).astype(jnp.float32)
     (smoothed, nll), residuals = _token_losses_fwd(logits, t, label_smoothing)
     # d loss_sum / d logits: the weight of each token on the smoothed loss, none on the nll.
     g = _token_losses_bwd(label_smoothing, residuals, (w, jnp.zeros_like(w)))[0].astype(y.dtype)
-    d_kernel = d_kernel + jnp.einsum("bcd,bcv->dv", y, g, preferred_element_type=jnp.float32)
+    d_kernel = d_kernel + jnp.einsum("btd,btv->dv", y, g, preferred_element_type=jnp.float32)
     if bias is not None:
       d_bias = d_bias + jnp.sum(g, axis=(0, 1), dtype=jnp.float32)
     sums = {"loss_sum": sums["loss_sum"] + jnp.sum(smoothed * w),
             "nll_sum": sums["nll_sum"] + jnp.sum(nll * w),
             "correct": sums["correct"] + jnp.sum((jnp.argmax(logits, -1) == t) * w),
             "tokens": sums["tokens"] + jnp.sum(w)}
-    return (d_kernel, d_bias, sums), jnp.einsum("bcv,dv->bcd", g, kernel)
+    return (d_kernel, d_bias, sums), jnp.einsum("btv,dv->btd", g, kernel)
 
   zeros = (jnp.zeros(kernel.shape, jnp.float32),
            None if bias is None else jnp.zeros(bias.shape, jnp.float32),

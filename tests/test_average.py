@@ -1,0 +1,70 @@
+"""Checkpoint averaging: the mean of the real checkpoints' parameters, restored like any
+checkpoint, and one-line errors that write nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from transformer_jax import checkpoint
+from transformer_jax.average import AverageError, average_checkpoints, state_of
+from transformer_jax.data.tokenizer import Tokenizers
+from transformer_jax.translator import Translator
+
+
+def _states(config, workdir, steps):
+  """{step: (state, data)} read back through the library's own restore."""
+  state, shardings = state_of(config, Tokenizers.load(workdir))
+  ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 1, 1, read_only=True)
+  try:
+    return {s: jax.device_get(ckpt.restore(s, state, shardings)) for s in steps}
+  finally:
+    ckpt.close()
+
+
+def test_averaged_parameters_are_the_mean_of_the_last_checkpoints(trained, tmp_path):
+  config, workdir = trained
+  output = tmp_path / "avg"
+  assert average_checkpoints(workdir, 2, output) == [10, 20]
+  sources = _states(config, workdir, [10, 20])
+  (averaged, data), = _states(config, output, [20]).values()
+  newest, newest_data = sources[20]
+  flat = [jax.tree.leaves(state.params) for state, _ in sources.values()]
+  for got, *each in zip(jax.tree.leaves(averaged.params), *flat):
+    np.testing.assert_allclose(got, np.mean(np.stack(each), axis=0, dtype=np.float64),
+                               rtol=1e-6, atol=1e-7)
+  # Not a copy of one of them: the checkpoints differ and the mean is between them.
+  assert any(not np.array_equal(a, b) for a, b in zip(flat[0], flat[1]))
+  # Everything else is the newest checkpoint's, bit for bit.
+  for got, want in zip(jax.tree.leaves(averaged.opt_state), jax.tree.leaves(newest.opt_state)):
+    np.testing.assert_array_equal(got, want)
+  assert int(averaged.step) == 20 and data == newest_data
+  # translate restores it like any other checkpoint (fingerprints verified).
+  translator = Translator(output)
+  assert translator.step == 20
+  for got, want in zip(jax.tree.leaves(translator.params), jax.tree.leaves(averaged.params)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  assert len(translator.translate(["Go."])) == 1
+
+
+def test_bad_requests_are_one_line_and_write_nothing(trained, tmp_path):
+  _, workdir = trained
+  with pytest.raises(AverageError, match=r"--last 3: .* holds 2 checkpoints \(\[10, 20\]\)"):
+    average_checkpoints(workdir, 3, tmp_path / "a")
+  with pytest.raises(AverageError, match="not a training workdir"):
+    average_checkpoints(tmp_path, 2, tmp_path / "b")
+  (tmp_path / "exists").mkdir()
+  with pytest.raises(AverageError, match="exists; name a new directory"):
+    average_checkpoints(workdir, 2, tmp_path / "exists")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer_jax.average", "--workdir", str(workdir), "--last", "0",
+       "--output", str(tmp_path / "c")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == "error: --last must be at least 1, got 0"
+  assert not (tmp_path / "c").exists()
