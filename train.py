@@ -59,11 +59,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
                                               data.tokenizers.tgt.vocab_size))
   opt_cfg = config_lib.optimizer_config(config)
   state, state_shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(opt_cfg), config.seed, mesh, config.max_len)
+      model, train_lib.make_optimizer(opt_cfg), config.seed, mesh, config.max_len,
+      ema=config.ema_decay > 0)
   stream = pipeline.TrainStream(
       data.train, batch_size=config.batch_size, max_len=config.max_len, overlong=config.overlong,
       seed=config.seed, pack=config.packing, num_workers=data_cfg.num_workers,
-      process_index=jax.process_index(), process_count=hosts)
+      process_index=jax.process_index(), process_count=hosts, concat_prob=config.concat_prob,
+      concat_max=config.concat_max)
   pipeline.log_selection(config.train_split, stream.selection, config.max_len)
   eval_data = pipeline.eval_batches(
       data.eval, batch_size=config.eval_batch_size, max_len=config.max_len,
@@ -97,7 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
 
   def save(step):
     guard.check()  # Raises before a state with a dropped (non-finite) step in `stop` mode.
-    if not train_lib.all_finite(state.params):
+    if not train_lib.all_finite((state.params, state.ema_params)):
       raise train_lib.NonFiniteError(f"the parameters at step {step} are not finite: not saved")
     ckpt.save(step, state, batches.state, force=True)
 
@@ -127,7 +129,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
           result = train_lib.summarize_eval(
               [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
           if bleu_eval:
-            result["bleu"], examples = bleu_eval(state.params)
+            result["bleu"], examples = bleu_eval(state.eval_params())
             writer.write_texts(step, {"eval/examples": "\n".join(examples)})
           writer.write_scalars(step, {f"eval/{k}": v for k, v in result.items()})
           progress.exclude(time.perf_counter() - eval_start)  # Throughput excludes evaluation.

@@ -34,21 +34,25 @@ def test_averaged_parameters_are_the_mean_of_the_last_checkpoints(trained, tmp_p
   sources = _states(config, workdir, [10, 20])
   (averaged, data), = _states(config, output, [20]).values()
   newest, newest_data = sources[20]
-  flat = [jax.tree.leaves(state.params) for state, _ in sources.values()]
-  for got, *each in zip(jax.tree.leaves(averaged.params), *flat):
-    np.testing.assert_allclose(got, np.mean(np.stack(each), axis=0, dtype=np.float64),
-                               rtol=1e-6, atol=1e-7)
-  # Not a copy of one of them: the checkpoints differ and the mean is between them.
-  assert any(not np.array_equal(a, b) for a, b in zip(flat[0], flat[1]))
+  for key in ("params", "ema_params"):  # The run kept a moving average: averaged too.
+    flat = [jax.tree.leaves(getattr(state, key)) for state, _ in sources.values()]
+    for got, *each in zip(jax.tree.leaves(getattr(averaged, key)), *flat):
+      np.testing.assert_allclose(got, np.mean(np.stack(each), axis=0, dtype=np.float64),
+                                 rtol=1e-6, atol=1e-7)
+    # Not a copy of one of them: the checkpoints differ and the mean is between them.
+    assert any(not np.array_equal(a, b) for a, b in zip(flat[0], flat[1]))
   # Everything else is the newest checkpoint's, bit for bit.
   for got, want in zip(jax.tree.leaves(averaged.opt_state), jax.tree.leaves(newest.opt_state)):
     np.testing.assert_array_equal(got, want)
   assert int(averaged.step) == 20 and data == newest_data
-  # translate restores it like any other checkpoint (fingerprints verified).
-  translator = Translator(output)
-  assert translator.step == 20
-  for got, want in zip(jax.tree.leaves(translator.params), jax.tree.leaves(averaged.params)):
-    np.testing.assert_array_equal(np.asarray(got), want)
+  # translate restores it like any other checkpoint (fingerprints verified): the averaged
+  # moving average by default, the averaged parameters with ema=False.
+  for ema, key in ((True, "ema_params"), (False, "params")):
+    translator = Translator(output, ema=ema)
+    assert translator.step == 20 and translator.uses_ema == ema
+    for got, want in zip(jax.tree.leaves(translator.params),
+                         jax.tree.leaves(getattr(averaged, key))):
+      np.testing.assert_array_equal(np.asarray(got), want)
   assert len(translator.translate(["Go."])) == 1
 
 

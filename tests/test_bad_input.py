@@ -4,6 +4,7 @@ anything is prepared, compiled or written."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -71,11 +72,13 @@ def test_empty_workdir_flag(tmp_path):
     (dict(grad_accum_steps=3), "grad_accum_steps=3 must be positive and divide batch_size=16"),
     (dict(loss_chunks=5), "loss_chunks=5 must be positive and divide max_len=32"),
     (dict(dataset="wmt99"), "dataset='wmt99' is unknown"),
+    (dict(ema_decay=1.0), "ema_decay=1.0 must be in [0, 1) (0: no moving average)"),
+    (dict(concat_prob=-0.1), "concat_prob=-0.1 must be in [0, 1) (0: no concatenation)"),
+    (dict(concat_max=0), "concat_max=0 must be at least 1 (pairs)"),
 ])
 def test_bad_config_values_are_named(smoke_config, tmp_path, change, message):
   smoke_config.update(change)
-  with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(
-      ")", r"\)")):
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
     train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 

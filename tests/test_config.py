@@ -60,3 +60,9 @@ def test_a_workdir_of_another_model_is_refused():
   scanned.vocab_size = 300
   with pytest.raises(config_lib.ConfigError, match="model.scan_layers, vocab_size differ"):
     config_lib.check_same_model(saved.to_json(), scanned)
+  averaged = fra_eng.get_config("smoke")
+  averaged.ema_decay = 0.0 if saved.ema_decay else 0.99  # Checkpoints with(out) an average.
+  with pytest.raises(config_lib.ConfigError, match="ema_decay differ"):
+    config_lib.check_same_model(saved.to_json(), averaged)
+  averaged.ema_decay, saved.ema_decay = 0.99, 0.999  # Another decay: the same checkpoints.
+  config_lib.check_same_model(saved.to_json(), averaged)

@@ -1,3 +1,5 @@
+import functools
+
 import numpy as np
 import pytest
 
@@ -91,6 +93,7 @@ def _stream(cache, **kw):
   return pipeline.TrainStream(cache, **args)
 
 
+
 def test_token_cache_holds_every_pair_and_refuses_another_tokenizer(tmp_path):
   pairs = _random_pairs(50) + [("", "b")]
   cache = _cache(tmp_path, pairs)
@@ -174,16 +177,58 @@ def test_batches_have_one_shape_and_rebuild_the_pairs(tmp_path, packed):
   assert (shared_rows > 0) == packed  # Packed rows hold several pairs; padded rows one.
 
 
-def test_stream_resumes_from_its_state_with_any_worker_count(tmp_path):
+def test_concatenation_joins_consecutive_pairs_whole_and_aligned(tmp_path):
+  rng = np.random.default_rng(5)
+  pairs = [(" ".join(f"s{i}x{k}" for k in range(rng.integers(1, 6))),
+            " ".join(f"t{i}x{k}" for k in range(rng.integers(1, 6)))) for i in range(300)]
+  words = " ".join(" ".join(p) for p in pairs)
+  tok = Tokenizers(WordVocab.train([words, words]), WordVocab.train([words, words]))
+  cache = token_cache.build(tmp_path / "c", ListPairs(pairs), tok, "fp", num_workers=0,
+                            chunk_size=16)
+  stream = _stream(cache, batch_size=4, max_len=16, concat_prob=0.5, concat_max=3)
+  kept = {i for i, (a, b) in enumerate(pairs) if max(len(a.split()), len(b.split())) < 16}
+  seen, sizes = [], []
+  while len(seen) < len(kept):  # One epoch.
+    batch = next(stream)
+    for r in range(4):
+      for s in range(1, batch["targets_segment_ids"][r].max() + 1):
+        src = batch["inputs"][r][batch["inputs_segment_ids"][r] == s]
+        tgt = batch["targets"][r][batch["targets_segment_ids"][r] == s]
+        dec = batch["decoder_inputs"][r][batch["targets_segment_ids"][r] == s]
+        assert src[-1] == tgt[-1] == EOS and EOS not in src[:-1] and EOS not in tgt[:-1]
+        assert dec[0] == BOS
+        np.testing.assert_array_equal(dec[1:], tgt[:-1])
+        np.testing.assert_array_equal(batch["inputs_positions"][r][
+            batch["inputs_segment_ids"][r] == s], np.arange(len(src)))
+        # The source words are whole pairs' sources, in order; the target the same pairs'.
+        src_words, tgt_words = tok.src.decode(src).split(), tok.tgt.decode(tgt).split()
+        ids = list(dict.fromkeys(int(w[1:].split("x")[0]) for w in src_words))
+        assert src_words == " ".join(pairs[i][0] for i in ids).split()
+        assert tgt_words == " ".join(pairs[i][1] for i in ids).split()
+        seen += ids
+        sizes.append(len(ids))
+  stream.close()
+  assert sorted(seen[:len(kept)]) == sorted(kept)  # Each kept pair once per epoch.
+  assert max(sizes) == 3 and sizes.count(1) > 0 and sizes.count(2) > 0
+  plain = _stream(cache, batch_size=4, max_len=16)
+  batch = next(plain)
+  plain.close()
+  assert sum(batch["targets_segment_ids"].max(1)) == len(
+      {int(w[1:].split("x")[0]) for w in tok.src.decode(batch["inputs"].ravel()).split()})
+
+
+@pytest.mark.parametrize("concat_prob", [0.0, 0.5])
+def test_stream_resumes_from_its_state_with_any_worker_count(tmp_path, concat_prob):
   cache = _cache(tmp_path, _random_pairs(400, seed=2))
-  stream = _stream(cache)
+  make = functools.partial(_stream, concat_prob=concat_prob, concat_max=3)
+  stream = make(cache)
   for _ in range(37):
     next(stream)
   state = stream.get_state()
   expected = [next(stream) for _ in range(70)]  # Crosses blocks and an epoch.
   stream.close()
   for workers in (0, 2):
-    resumed = _stream(cache, num_workers=workers)
+    resumed = make(cache, num_workers=workers)
     resumed.set_state(state)
     for want in expected:
       got = next(resumed)

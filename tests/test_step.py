@@ -114,3 +114,31 @@ def test_loss_chunks_must_divide_the_length():
                                     batch["decoder_inputs"][:1])["params"])
   with pytest.raises(ValueError, match="loss_chunks=5 does not divide the target length 32"):
     train_lib.loss_sums(model.apply, params, batch, 0.1, 5)
+
+
+def test_moving_average_follows_the_parameters_and_skips_non_finite_steps():
+  mesh = sharding.make_mesh((-1, 1, 1))
+  model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
+  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), 0, mesh, LENGTH,
+                                                  ema=True)
+  cfg = train_lib.StepConfig(label_smoothing=0.1, ema_decay=0.5, nan_at_step=3)
+  p_train, p_eval = train_lib.jit_steps(shardings, mesh, cfg)
+  expected = jax.device_get(state.params)  # The average starts at the initial parameters.
+  with sharding.mesh_context(mesh):
+    batch = sharding.global_batch(_batch(), mesh)
+    for step in range(4):
+      state, metrics = p_train(state, batch)
+      params = jax.device_get(state.params)
+      if step == 2:  # Step 3's loss is NaN: nothing changes, the average included.
+        assert float(metrics["nonfinite"]) == 1
+      else:
+        d = min(0.5, (1 + step) / (10 + step))  # 0.1, 0.18, -, 0.3
+        expected = jax.tree.map(lambda e, p: d * e + (1 - d) * p, expected, params)
+      ema = jax.device_get(state.ema_params)
+      for x, y in zip(jax.tree.leaves(ema), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    assert _max_difference(ema, params) > 1e-3  # The average really lags the parameters.
+    # Evaluation uses the average.
+    got = p_eval(state, batch)
+    want = train_lib.loss_sums(model.apply, state.ema_params, batch)
+    np.testing.assert_allclose(float(got["nll_sum"]), float(want["nll_sum"]), rtol=1e-6)

@@ -53,6 +53,25 @@ def test_translate_file_with_reference_prints_sacrebleu(d2l_workdir, tmp_path):
   assert "BLEU = " in result.stdout and "tok:13a" in result.stdout
 
 
+def test_split_is_translated_and_scored_against_its_targets(d2l_workdir, tmp_path,
+                                                          fra_eng_builder):
+  from transformer_jax.data import sources
+  pairs = sources.pairs(fra_eng_builder, "fra_eng", "validation[:40]")
+  result = _cli("--workdir", str(d2l_workdir), "--split", "validation[:40]", "--beam_size", "1",
+                "--output", str(tmp_path / "out.txt"))
+  assert result.returncode == 0, result.stderr[-2000:]
+  hypotheses = (tmp_path / "out.txt").read_text().splitlines()
+  # The same sentences translated here, in order, and scored against the split's targets.
+  from transformer_jax.translate import translate_lines
+  assert hypotheses == translate_lines(Translator(d2l_workdir), [s for s, _ in pairs],
+                                       DecodeOptions(beam_size=1), 64, progress=False)
+  score, _ = metrics.corpus_bleu(hypotheses, [t for _, t in pairs])
+  assert f"BLEU = {score:.2f}" in result.stdout
+  result = _cli("--workdir", str(d2l_workdir), "--split", "validation", "--reference", "r.txt")
+  assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+      "error: --split scores against the split's own targets: drop --reference")
+
+
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory):
   d = tmp_path_factory.mktemp("inputs")

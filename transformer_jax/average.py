@@ -5,9 +5,9 @@ workdir's last N checkpoints (the paper averages the last 5 checkpoints of base,
   python -m transformer_jax.translate --workdir runs/fra_eng_avg3 "Hello."
 
 The new checkpoint is an ordinary one of the newest step, so that `translate` restores it like
-any other (and `train.py` could go on from it): the averaged parameters; the rest of the state
-(optimizer moments, step, dropout key) and the data position of the newest checkpoint; the
-workdir's config.json and tokenizer files. Every averaged checkpoint is verified against its
+any other (and `train.py` could go on from it): the averaged parameters (and moving averages,
+where the run kept them); the rest of the state (optimizer moments, step, dropout key) and the
+data position of the newest checkpoint; the workdir's config.json and tokenizer files. Every averaged checkpoint is verified against its
 fingerprints first. Nothing half-written is left: the new workdir is built under OUTPUT.tmp and
 renamed when complete.
 """
@@ -39,7 +39,7 @@ def state_of(config: ml_collections.ConfigDict, tokenizers: Tokenizers):
                                               tokenizers.tgt.vocab_size))
   return train_lib.create_train_state(
       model, train_lib.make_optimizer(config_lib.optimizer_config(config)), config.seed,
-      sharding.make_mesh((-1, 1, 1)), config.max_len)
+      sharding.make_mesh((-1, 1, 1)), config.max_len, ema=config.get("ema_decay", 0) > 0)
 
 
 def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> list[int]:
@@ -69,15 +69,16 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
     for step in steps:
       state, data = source.restore(step, state_like, shardings)
       source.verify(step, state)
-      total = state.params if total is None else jax.tree.map(jax.numpy.add, total,
-                                                               state.params)
+      both = (state.params, state.ema_params)  # ema_params: None where the run kept none.
+      total = both if total is None else jax.tree.map(jax.numpy.add, total, both)
       logging.info("Read the checkpoint of step %d", step)
   except Exception as e:
     raise AverageError(f"the checkpoint of step {step} in {workdir / 'checkpoints'} cannot be "
                        f"averaged: {checkpoint.first_line(e)}") from None
   finally:
     source.close()
-  averaged = state.replace(params=jax.tree.map(lambda x: x / len(steps), total))
+  params, ema_params = jax.tree.map(lambda x: x / len(steps), total)
+  averaged = state.replace(params=params, ema_params=ema_params)
 
   partial = output.with_name(output.name + ".tmp")
   shutil.rmtree(partial, ignore_errors=True)  # Left by an earlier, interrupted run.

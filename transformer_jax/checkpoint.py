@@ -125,7 +125,8 @@ class Checkpointer:
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     return restored.state, restored.data
 
-  def restore_params_latest(self, boxed_params_like, mesh) -> tuple[int, object]:
+  def restore_params_latest(self, boxed_params_like, mesh,
+                            key: str = "params") -> tuple[int, object]:
     """(step, params) of the newest checkpoint whose parameters read back and verify; damaged
     ones are reported and passed over (nothing on disk is changed).
 
@@ -139,29 +140,30 @@ class Checkpointer:
       raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
     for step in steps:
       try:
-        return step, self.restore_params(step, boxed_params_like, mesh)
+        return step, self.restore_params(step, boxed_params_like, mesh, key)
       except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
         self._report_damaged(step, e)
     raise CheckpointDamagedError(f"every checkpoint in {self.directory} is damaged "
                                  f"(steps {sorted(steps)})")
 
-  def restore_params(self, step: int, boxed_params_like, mesh):
+  def restore_params(self, step: int, boxed_params_like, mesh, key: str = "params"):
     """Only the parameters of a checkpoint (no optimizer state), sharded over `mesh` by their
     logical axis names, verified against its fingerprints.
 
     Args:
       boxed_params_like: abstract parameters still boxed with logical axis names.
+      key: "params", or "ema_params" for their moving average (where the run kept one).
     """
     self._check_step(step)
     shardings = sharding.logical_shardings(boxed_params_like, mesh)
-    target = {"params": jax.tree.map(
+    target = {key: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         nn.meta.unbox(boxed_params_like), shardings)}
     restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))
-    self.verify(step, restored.state["params"], prefix=".params")
-    return restored.state["params"]
+    self.verify(step, restored.state[key], prefix="." + key)
+    return restored.state[key]
 
   def verify(self, step: int, tree, prefix: str = "") -> None:
     """Raises ValueError where `tree`'s arrays (the state, or its part at `prefix`) differ from

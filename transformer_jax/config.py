@@ -57,6 +57,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"batch_size={config.batch_size} (the rows of one optimizer step)")
   _check(config.loss_chunks > 0 and config.max_len % config.loss_chunks == 0,
          f"loss_chunks={config.loss_chunks} must be positive and divide max_len={config.max_len}")
+  _check(0 <= config.concat_prob < 1,
+         f"concat_prob={config.concat_prob} must be in [0, 1) (0: no concatenation)")
+  _check(config.concat_max >= 1, f"concat_max={config.concat_max} must be at least 1 (pairs)")
+  _check(0 <= config.ema_decay < 1,
+         f"ema_decay={config.ema_decay} must be in [0, 1) (0: no moving average)")
   _check(0 <= config.label_smoothing < 1,
          f"label_smoothing={config.label_smoothing} must be in [0, 1)")
   _check(len(config.mesh_shape) == 3,
@@ -162,6 +167,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_len = 64  # Tokens per side, <eos> included; also the packed row length.
   c.overlong = "drop"  # Pairs over max_len: "drop" or "truncate" (both counted and logged).
   c.packing = True
+  # Concatenation augmentation: each training pair joins the one before it into one longer
+  # example (sources joined, targets joined) with probability concat_prob, up to concat_max
+  # pairs and max_len tokens a side. Teaches sentences longer than most of the corpus's.
+  c.concat_prob = 0.0
+  c.concat_max = 2
   c.batch_size = 64  # Rows per global batch (each up to max_len tokens a side).
   c.eval_batch_size = 128
   c.num_eval_batches = -1  # -1: the whole eval split.
@@ -187,8 +197,12 @@ def base_config() -> ml_collections.ConfigDict:
   # same update with the activation memory of batch_size / grad_accum_steps rows.
   c.grad_accum_steps = 1
   # Slices of the target length the vocabulary projection and loss run over one at a time
-  # (recomputed in the backward pass): the [tokens, vocabulary] logits are never whole.
+  # (each slice's gradient formed in the forward pass): the [tokens, vocabulary] logits are
+  # never whole.
   c.loss_chunks = 1
+  # Decay of an exponential moving average of the parameters, kept in the train state and used
+  # by evaluation and translate (0: none). The decay is at most (1 + step) / (10 + step).
+  c.ema_decay = 0.0
   # A step with a non-finite loss or gradient never changes the parameters. "stop": exit with
   # an error naming it; "skip": go on (counted in the log), until max_nonfinite_in_row in a row.
   c.nonfinite = "stop"
@@ -229,6 +243,9 @@ def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None
   changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
   fields = ("dataset", "tokenizer", "vocab_size")
   changed += [k for k in fields if saved_config.get(k) != config[k]]
+  if bool(saved_config.get("ema_decay", 0)) != bool(config.ema_decay):
+    changed.append("ema_decay")  # The checkpoints hold a moving average or do not.
+  fields += ("ema_decay",)
   _check(not changed, "the workdir's checkpoints are of another model: "
          + ", ".join(f"{'' if k in fields else 'model.'}{k}" for k in changed)
          + " differ from its config.json")

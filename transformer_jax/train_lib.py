@@ -22,6 +22,11 @@ Batch = dict[str, jax.Array]
 
 class TrainState(train_state.TrainState):
   rng: jax.Array  # Dropout key of step s is fold_in(rng, s).
+  ema_params: Any = None  # The parameters' exponential moving average; None where not kept.
+
+  def eval_params(self):
+    """The parameters evaluation and decoding use: the moving average where one is kept."""
+    return self.params if self.ema_params is None else self.ema_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +70,16 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                       mesh: Mesh, max_len: int) -> tuple[TrainState, Any]:
-  """Initializes the state directly into its shardings; returns (state, state_shardings)."""
+                       mesh: Mesh, max_len: int, ema: bool = False) -> tuple[TrainState, Any]:
+  """Initializes the state directly into its shardings; returns (state, state_shardings).
+  `ema`: the state keeps a moving average of the parameters (starting from them)."""
   dummy = jnp.ones((1, max_len), jnp.int32)
 
   def init(rng):  # Parameters still boxed with their logical axis names.
     params_rng, dropout_rng = jax.random.split(rng)
     params = model.init(params_rng, dummy, dummy)["params"]
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng,
+                             ema_params=params if ema else None)
 
   # No mesh context here: out_shardings place the state, and flax's DenseGeneral would
   # otherwise constrain its flat [in, out] kernel with the 3-axis names of the reshaped one.
@@ -89,7 +96,15 @@ class StepConfig:
   label_smoothing: float = 0.1
   grad_accum_steps: int = 1
   loss_chunks: int = 1
+  ema_decay: float = 0.0
   nan_at_step: int = 0
+
+
+def ema_decay_at(decay: float, step: jax.Array) -> jax.Array:
+  """The moving average's decay at the update that makes step `step` + 1: `decay`, but at most
+  (1 + step) / (10 + step), so that the first updates are not dominated by the initialization."""
+  step = jnp.asarray(step, jnp.float32)
+  return jnp.minimum(decay, (1.0 + step) / (10.0 + step))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -255,7 +270,9 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
 
   A step whose loss or gradient norm is not finite changes nothing but the step count: its
   update is dropped on the device, and `metrics["nonfinite"]` is 1 (the host reads it when it
-  logs; see NonFiniteGuard). `cfg.nan_at_step` > 0 makes that step's loss and gradients NaN (a
+  logs; see NonFiniteGuard). With `cfg.ema_decay` > 0 the state's `ema_params` follow the new
+  parameters: ema <- d * ema + (1 - d) * params, d = ema_decay_at(ema_decay, step).
+  `cfg.nan_at_step` > 0 makes that step's loss and gradients NaN (a
   fault injected by tests).
   """
   dropout_rng = jax.random.fold_in(state.rng, state.step)
@@ -294,6 +311,10 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   new_state = new_state.replace(params=keep(new_state.params, state.params),
                                 opt_state=keep(new_state.opt_state, state.opt_state))
+  if cfg.ema_decay:
+    d = ema_decay_at(cfg.ema_decay, state.step)
+    ema = jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, state.ema_params, new_state.params)
+    new_state = new_state.replace(ema_params=keep(ema, state.ema_params))
   metrics = {"loss": loss, "nll": sums["nll_sum"] / tokens,
              "grad_norm": grad_norm, "tokens": sums["tokens"],
              "nonfinite": 1.0 - finite.astype(jnp.float32)}
@@ -349,8 +370,9 @@ def all_finite(tree) -> jax.Array:
 
 
 def eval_step(state: TrainState, batch: Batch, loss_chunks: int = 1) -> dict[str, jax.Array]:
-  """Sums over the batch (combine across batches, then divide)."""
-  return loss_sums(state.apply_fn, state.params, batch, loss_chunks=loss_chunks)
+  """Sums over the batch (combine across batches, then divide), with the evaluation parameters
+  (the moving average where one is kept)."""
+  return loss_sums(state.apply_fn, state.eval_params(), batch, loss_chunks=loss_chunks)
 
 
 def jit_steps(state_shardings, mesh: Mesh, cfg: StepConfig):

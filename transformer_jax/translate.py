@@ -3,6 +3,11 @@
   python -m transformer_jax.translate --workdir runs/fra_eng "I lost." "I'm home."
   python -m transformer_jax.translate --workdir runs/fra_eng --beam_size 4 \
       --input test.eng --output test.hyp --reference test.fra
+  python -m transformer_jax.translate --workdir runs/fra_eng --split validation
+
+`--split` translates a split of the workdir's own dataset (its config.json's dataset, data_dir
+and tfds_dir) and scores it against the split's targets: the validation BLEU recipes are
+chosen by.
 """
 
 from __future__ import annotations
@@ -66,6 +71,25 @@ def check_output_path(path: str) -> None:
     raise InferenceError(f"--output {path}: directory {p.parent} does not exist")
 
 
+def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
+  """(sources, references) of a split of the dataset a workdir was trained on."""
+  import json
+  from transformer_jax.data import sources
+  from transformer_jax.data.builders import DatasetError
+  config = json.loads((Path(workdir) / "config.json").read_text())
+  try:
+    builder = sources.prepare(config["dataset"], config["tfds_dir"] or os.path.expanduser(
+        "~/tensorflow_datasets"), config["data_dir"] or None)
+    pairs = sources.pairs(builder, config["dataset"], split)
+  except (DatasetError, FileNotFoundError, ValueError, KeyError) as e:
+    raise InferenceError(f"--split {split} of {config['dataset']} (data_dir="
+                         f"{config['data_dir']!r}) cannot be read: {checkpoint.first_line(e)}"
+                         ) from None
+  if not pairs:
+    raise InferenceError(f"--split {split} of {config['dataset']} is empty")
+  return [s for s, _ in pairs], [t for _, t in pairs]
+
+
 def define_flags():
   """Command-line flags; defined only when run as a command, so importing is side-effect free."""
   flags.DEFINE_string("workdir", None, "Training workdir (config.json, tokenizer, checkpoints/).")
@@ -77,6 +101,10 @@ def define_flags():
   flags.DEFINE_string("input", None, "File with one source sentence a line.")
   flags.DEFINE_string("output", None, "Where to write the translations of --input.")
   flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
+  flags.DEFINE_string("split", None, "Translate this split of the workdir's dataset (e.g. "
+                      "validation) and print sacreBLEU against its targets.")
+  flags.DEFINE_bool("ema", True, "Decode with the parameters' moving average where the run kept "
+                    "one (ema_decay > 0); --noema: with the parameters themselves.")
 
 
 def main(argv):
@@ -85,8 +113,10 @@ def main(argv):
   try:
     if not FLAGS.workdir:
       raise InferenceError("--workdir is required")
-    if bool(sentences) == bool(FLAGS.input):
-      raise InferenceError("give either sentences as arguments or --input FILE")
+    if sum(map(bool, (sentences, FLAGS.input, FLAGS.split))) != 1:
+      raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
+    if FLAGS.split and FLAGS.reference:
+      raise InferenceError("--split scores against the split's own targets: drop --reference")
     if FLAGS.beam_size < 1:
       raise InferenceError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
     if FLAGS.batch_size < 1:
@@ -96,19 +126,24 @@ def main(argv):
                            f"{FLAGS.max_len}")
     if FLAGS.output:
       check_output_path(FLAGS.output)
-    lines = read_lines(FLAGS.input) if FLAGS.input else sentences
-    references = read_lines(FLAGS.reference) if FLAGS.reference else None
+    if FLAGS.split:
+      if not (Path(FLAGS.workdir) / "config.json").exists():
+        raise InferenceError(f"{FLAGS.workdir} holds no config.json: not a training workdir")
+      lines, references = split_pairs(FLAGS.workdir, FLAGS.split)
+    else:
+      lines = read_lines(FLAGS.input) if FLAGS.input else sentences
+      references = read_lines(FLAGS.reference) if FLAGS.reference else None
     if references is not None and len(references) != len(lines):
       raise InferenceError(f"--reference has {len(references)} lines, --input {len(lines)}")
-    translator = Translator(FLAGS.workdir, FLAGS.step)
+    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema)
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
       raise InferenceError(f"--max_len {FLAGS.max_len} is over {limit}, 4 x the max_len the "
                            "model was trained with")
     options = DecodeOptions(beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, max_len=FLAGS.max_len)
-    batch_size = FLAGS.batch_size if FLAGS.input else max(1, len(lines))
-    hypotheses = translate_lines(translator, lines, options, batch_size,
-                                 progress=bool(FLAGS.input))
+    many = bool(FLAGS.input or FLAGS.split)
+    batch_size = FLAGS.batch_size if many else max(1, len(lines))
+    hypotheses = translate_lines(translator, lines, options, batch_size, progress=many)
     if FLAGS.output:
       Path(FLAGS.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     else:

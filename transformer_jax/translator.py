@@ -27,7 +27,9 @@ from transformer_jax.model import Transformer
 class Translator:
   """Restores a workdir's model and tokenizer and translates batches of sentences."""
 
-  def __init__(self, workdir: str | Path, step: int | None = None):
+  def __init__(self, workdir: str | Path, step: int | None = None, ema: bool = True):
+    """`ema`: decode with the parameters' moving average where the run kept one (ema_decay >
+    0), else with the parameters themselves."""
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.exists():
@@ -45,18 +47,22 @@ class Translator:
       raise InferenceError(f"{workdir} holds no checkpoints/ directory")
     ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=1, keep=1, read_only=True)
     mesh = sharding.make_mesh((-1, 1, 1))
+    self.uses_ema = ema and self.config.get("ema_decay", 0) > 0
+    key = "ema_params" if self.uses_ema else "params"
     try:
       if step is None:  # The newest that reads back and verifies.
-        self.step, self.params = ckpt.restore_params_latest(self._abstract_params(), mesh)
+        self.step, self.params = ckpt.restore_params_latest(self._abstract_params(), mesh, key)
       else:
-        self.step, self.params = step, ckpt.restore_params(step, self._abstract_params(), mesh)
+        self.step = step
+        self.params = ckpt.restore_params(step, self._abstract_params(), mesh, key)
     except (checkpoint.CheckpointDamagedError, checkpoint.CheckpointNotFoundError) as e:
       raise InferenceError(str(e)) from None
     finally:
       ckpt.close()
     self.max_src_len = int(self.config.max_len)
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
-    logging.info("Restored step %d from %s", self.step, ckpt_dir)
+    logging.info("Restored step %d from %s (%s)", self.step, ckpt_dir,
+                 "the parameters' moving average" if self.uses_ema else "the parameters")
 
   def _abstract_params(self):
     dummy = jnp.ones((1, 2), jnp.int32)

@@ -8,7 +8,9 @@ gathers the tokens of the rows one host owns from flat token arrays into the bat
   decoder_inputs  <bos> + target            (share the targets' segments and positions)
   targets         target + <eos>            targets_segment_ids, targets_positions
 
-Segment ids number the pairs of a row from 1 (0 = padding); positions restart at 0 in each.
+Segment ids number the examples of a row from 1 (0 = padding); positions restart at 0 in each.
+An example is one pair, or, with concatenation augmentation (`concat_groups`), several
+consecutive pairs joined into one longer pair (sources joined, targets joined).
 """
 
 from __future__ import annotations
@@ -93,7 +95,14 @@ def _segments(row: np.ndarray) -> np.ndarray:
   return seg
 
 
-def fill_rows(tokens: tuple[np.ndarray, np.ndarray], starts: tuple[np.ndarray, np.ndarray],
+def token_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Indices into a flat token array of spans (`starts`, `lengths`) laid end to end: the
+  tokens of one example, or of the pairs joined into one, are consecutive here."""
+  owner, within = _spans(np.asarray(lengths, np.int64))
+  return np.asarray(starts, np.int64)[owner] + within
+
+
+def fill_rows(tokens: tuple[np.ndarray, np.ndarray], index: tuple[np.ndarray, np.ndarray],
               lengths: tuple[np.ndarray, np.ndarray], row: np.ndarray,
               offsets: tuple[np.ndarray, np.ndarray], rows: int,
               max_len: int) -> dict[str, np.ndarray]:
@@ -101,9 +110,10 @@ def fill_rows(tokens: tuple[np.ndarray, np.ndarray], starts: tuple[np.ndarray, n
 
   Args:
     tokens: flat token ids of each side (arrays or memmaps), without <eos>.
-    starts, lengths: [n] where each pair's tokens start in `tokens`, and how many to take
-      (at least 1, at most max_len - 1), per side.
-    row, offsets: [n] the row of each pair and its start in the row, per side, as planned.
+    index: per side, where the tokens of the examples are in `tokens`, the examples laid end
+      to end (`token_index`); example i takes the next lengths[side][i] of them.
+    lengths: [n] tokens per example (at least 1, at most max_len - 1), per side.
+    row, offsets: [n] the row of each example and its start in the row, per side, as planned.
   Returns:
     FEATURES -> [rows, max_len] int32.
   """
@@ -113,15 +123,35 @@ def fill_rows(tokens: tuple[np.ndarray, np.ndarray], starts: tuple[np.ndarray, n
     n = np.asarray(lengths[side], np.int64)
     owner, j = _spans(n + 1)  # +1: <eos>
     dest = row[owner] * max_len + offsets[side][owner] + j
-    start, n_own = starts[side][owner], n[owner]
-    ids = np.asarray(tokens[side][start + np.minimum(j, n_own - 1)], np.int32)
+    first, n_own = (np.cumsum(n) - n)[owner], n[owner]
+    ids = np.asarray(tokens[side][index[side][first + np.minimum(j, n_own - 1)]], np.int32)
     out[name].flat[dest] = np.where(j == n_own, EOS, ids)
     out[f"{name}_segment_ids"].flat[dest] = seg[owner]
     out[f"{name}_positions"].flat[dest] = j
     if name == "targets":  # <bos> + target: the target shifted right by one.
-      shifted = np.asarray(tokens[side][start + np.maximum(j - 1, 0)], np.int32)
+      shifted = np.asarray(tokens[side][index[side][first + np.maximum(j - 1, 0)]], np.int32)
       out["decoder_inputs"].flat[dest] = np.where(j == 0, BOS, shifted)
   return out
+
+
+def concat_groups(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, prob: float,
+                  max_pairs: int, rng: np.random.Generator) -> np.ndarray:
+  """Joins consecutive pairs into longer training examples (concatenation augmentation).
+
+  Each pair joins the example of the pair before it with probability `prob`, while that
+  example has fewer than `max_pairs` pairs and both joined sides, with <eos>, fit in
+  `max_len`. Returns [n] the example index of each pair (0, 1, ..., non-decreasing).
+  """
+  joins = rng.random(len(src_len)) < prob
+  group = np.empty(len(src_len), np.int64)
+  g, s, t, k = -1, 0, 0, 0
+  for i, (a, b) in enumerate(zip(np.asarray(src_len).tolist(), np.asarray(tgt_len).tolist())):
+    if g >= 0 and joins[i] and k < max_pairs and s + a < max_len and t + b < max_len:
+      s, t, k = s + a, t + b, k + 1
+    else:
+      g, s, t, k = g + 1, a, b, 1
+    group[i] = g
+  return group
 
 
 def one_per_row(n: int, rows: int) -> list[Plan]:
@@ -171,10 +201,12 @@ class TrainBlocks:
   """
 
   def __init__(self, cache, *, rows: int, row_start: int, row_stop: int, max_len: int,
-               overlong: str, seed: int, packing: bool = True, batches_per_block: int = 64):
+               overlong: str, seed: int, packing: bool = True, batches_per_block: int = 64,
+               concat_prob: float = 0.0, concat_max: int = 1):
     self.cache, self.rows, self.max_len, self.overlong = cache, rows, max_len, overlong
     self.row_start, self.row_stop, self.seed, self.packing = row_start, row_stop, seed, packing
     self.batches_per_block = batches_per_block
+    self.concat_prob, self.concat_max = concat_prob, concat_max
     self._selection: Selection | None = None
     self._perm: tuple[int, np.ndarray] | None = None
 
@@ -204,20 +236,30 @@ class TrainBlocks:
       self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(sel.ids)))
     chunk = self._perm[1][b * size:(b + 1) * size]  # Indices into the selection.
     src_len, tgt_len = sel.src_len[chunk], sel.tgt_len[chunk]
-    plans = (first_fit(src_len + 1, tgt_len + 1, self.rows, self.max_len) if self.packing
-             else one_per_row(len(chunk), self.rows))
+    # Examples: runs of consecutive pairs of the chunk (one pair each without concatenation).
+    group = (concat_groups(src_len, tgt_len, self.max_len, self.concat_prob, self.concat_max,
+                           np.random.default_rng([self.seed, epoch, b, 1]))
+             if self.concat_prob > 0 else np.arange(len(chunk)))
+    ex_src, ex_tgt = (np.bincount(group, weights=n).astype(np.int64) for n in (src_len, tgt_len))
+    ex_pairs = np.bincount(group)
+    ex_first = np.cumsum(ex_pairs) - ex_pairs  # The example's first position in the chunk.
+    plans = (first_fit(ex_src + 1, ex_tgt + 1, self.rows, self.max_len) if self.packing
+             else one_per_row(len(ex_src), self.rows))
     local = self.row_stop - self.row_start
     tokens = (self.cache.tokens("src"), self.cache.tokens("tgt"))
     offsets = (self.cache.offsets("src"), self.cache.offsets("tgt"))
     batches = []
     for plan in plans:
       mine = (plan.row >= self.row_start) & (plan.row < self.row_stop)
-      pair = sel.ids[chunk[plan.example[mine]]]  # Indices into the cache.
       ex = plan.example[mine]
+      owner, within = _spans(ex_pairs[ex])
+      at = ex_first[ex][owner] + within  # The pairs of these examples, in order.
+      pair = sel.ids[chunk[at]]  # Indices into the cache.
       batches.append(fill_rows(
-          tokens, (offsets[0][pair], offsets[1][pair]), (src_len[ex], tgt_len[ex]),
-          plan.row[mine] - self.row_start, (plan.src_offset[mine], plan.tgt_offset[mine]),
-          local, self.max_len))
+          tokens, (token_index(offsets[0][pair], src_len[at]),
+                   token_index(offsets[1][pair], tgt_len[at])),
+          (ex_src[ex], ex_tgt[ex]), plan.row[mine] - self.row_start,
+          (plan.src_offset[mine], plan.tgt_offset[mine]), local, self.max_len))
     out = {k: np.stack([b[k] for b in batches]) for k in FEATURES}
     out["block"] = np.int64(g)
     return out

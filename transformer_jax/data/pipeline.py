@@ -156,14 +156,15 @@ class TrainStream:
 
   def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
                overlong: str, seed: int, pack: bool = True, num_workers: int = 0,
-               process_index: int = 0, process_count: int = 1):
+               process_index: int = 0, process_count: int = 1, concat_prob: float = 0.0,
+               concat_max: int = 1):
     if batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
     local = batch_size // process_count
     self.blocks = packing.TrainBlocks(
         cache, rows=batch_size, row_start=process_index * local,
         row_stop=(process_index + 1) * local, max_len=max_len, overlong=overlong, seed=seed,
-        packing=pack)
+        packing=pack, concat_prob=concat_prob, concat_max=concat_max)
     self.num_workers = num_workers
     self._block, self._batch = 0, 0
     self._current: dict[str, np.ndarray] | None = None
@@ -218,7 +219,9 @@ def eval_batches(cache: token_cache.TokenCache, *, batch_size: int, max_len: int
     rows = mine[b * local:(b + 1) * local]
     pair, zeros = sel.ids[rows], np.zeros(len(rows), np.int64)
     batches.append(packing.fill_rows(
-        tokens, (offsets[0][pair], offsets[1][pair]), (sel.src_len[rows], sel.tgt_len[rows]),
+        tokens, (packing.token_index(offsets[0][pair], sel.src_len[rows]),
+                 packing.token_index(offsets[1][pair], sel.tgt_len[rows])),
+        (sel.src_len[rows], sel.tgt_len[rows]),
         np.arange(len(rows)), (zeros, zeros), local, max_len))
   return batches
 
