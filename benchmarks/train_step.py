@@ -115,7 +115,7 @@ def train_setup(config, mesh=None):
   cfg = config_lib.model_config(config, config.vocab_size, config.vocab_size)
   state, shardings = train_lib.create_train_state(
       Transformer(cfg), train_lib.make_optimizer(config_lib.optimizer_config(config)), 0, mesh,
-      config.max_len)
+      config.max_len, ema=config.ema_decay > 0)
   p_train, _ = train_lib.jit_steps(shardings, mesh, config_lib.step_config(config))
   return cfg, mesh, state, p_train
 

@@ -312,6 +312,9 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
   new_state = new_state.replace(params=keep(new_state.params, state.params),
                                 opt_state=keep(new_state.opt_state, state.opt_state))
   if cfg.ema_decay:
+    if state.ema_params is None:
+      raise ValueError("ema_decay > 0 needs a train state that keeps a moving average "
+                       "(create_train_state(..., ema=True))")
     d = ema_decay_at(cfg.ema_decay, state.step)
     ema = jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, state.ema_params, new_state.params)
     new_state = new_state.replace(ema_params=keep(ema, state.ema_params))
