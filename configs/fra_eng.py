@@ -6,8 +6,9 @@ Command (data read from a local copy of fra-eng.zip):
 The recipe was chosen on the validation split (README, "Choosing the recipe"): against the
 first default (rsqrt schedule, rows of 48 x 48, no augmentation) it decays the learning rate to
 0 with a cosine, joins training pairs into longer examples (concatenation augmentation; the
-held-out sentences are longer than most of fra.txt's), packs rows of 64 tokens (36 of them: the
-same tokens a step) and keeps a moving average of the parameters for evaluation and translate.
+held-out sentences are longer than most of fra.txt's) and packs rows of 64 tokens (36 of them:
+the same tokens a step). A moving average of the parameters and checkpoint averaging were
+measured and not taken (both scored lower on validation with this schedule).
 `configs/fra_eng.py:smoke` runs a few steps of a tiny model in seconds.
 """
 
@@ -27,6 +28,6 @@ def get_config(arg=None):
   c.schedule = "cosine"
   c.learning_rate = 1e-3
   c.warmup_steps = 300
-  c.ema_decay = 0.998
+  c.ema_decay = 0.0  # 0.998 gave 0.23 less validation BLEU than the parameters themselves.
   c.eval_every = c.checkpoint_every = 250
   return c if arg != "smoke" else smoke(c)
