@@ -66,3 +66,22 @@ def test_a_workdir_of_another_model_is_refused():
     config_lib.check_same_model(saved.to_json(), averaged)
   averaged.ema_decay, saved.ema_decay = 0.99, 0.999  # Another decay: the same checkpoints.
   config_lib.check_same_model(saved.to_json(), averaged)
+
+
+def test_resuming_a_cosine_run_with_another_num_steps_is_logged(tmp_path, caplog):
+  from configs import fra_eng
+  config = fra_eng.get_config("smoke")
+  assert config.schedule == "cosine"
+  (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+  (tmp_path / "config.json").write_text(config.to_json())
+  caplog.set_level("WARNING")
+  config_lib.checked_workdir(str(tmp_path), config)  # The same command: nothing to say.
+  assert "cosine" not in caplog.text
+  config.num_steps = 40
+  config_lib.checked_workdir(str(tmp_path), config)
+  assert ("num_steps=40 differs from the run's 20 in its config.json: the cosine schedule now "
+          "decays over 40 steps") in caplog.text
+  caplog.clear()
+  config.schedule = "rsqrt"  # Its learning rates do not depend on num_steps.
+  config_lib.checked_workdir(str(tmp_path), config)
+  assert "cosine" not in caplog.text

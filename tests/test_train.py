@@ -21,6 +21,9 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
   # The train step must be traced once per run, however many steps it takes.
   monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(train_lib.train_step, n=1))
   smoke_config.checkpoint_every = 7
+  # The first run stops at 7 by asking for 7 steps: a schedule that does not span num_steps
+  # (the recipe's cosine is resumed exactly by the kill and preemption tests, same num_steps).
+  smoke_config.schedule = "rsqrt"
 
   def with_workers(n):  # Batches do not depend on the number of grain workers.
     config = smoke_config.copy_and_resolve_references()
@@ -93,7 +96,7 @@ def test_cross_entropy_gradient_equals_autodiff_of_the_one_hot_formula(label_smo
 def test_rsqrt_schedule_warms_up_then_decays():
   from configs import fra_eng
   c = fra_eng.get_config()
-  c.learning_rate, c.warmup_steps = 1e-3, 100
+  c.schedule, c.learning_rate, c.warmup_steps = "rsqrt", 1e-3, 100
   lr = train_lib.learning_rate_schedule(config_lib.optimizer_config(c))
   assert float(lr(0)) == 0.0
   np.testing.assert_allclose(float(lr(50)), 5e-4, rtol=1e-6)

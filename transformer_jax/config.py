@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import ml_collections
+from absl import logging
 
 from transformer_jax.model import TransformerConfig
 
@@ -251,6 +252,18 @@ def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None
          + " differ from its config.json")
 
 
+def _warn_if_the_schedule_moves(saved_json: str, config: ml_collections.ConfigDict) -> None:
+  """A cosine schedule spans num_steps: resuming with another num_steps changes the learning
+  rates from the checkpoint on (allowed, as extending a run is, but not silently)."""
+  import json
+  saved = json.loads(saved_json).get("num_steps")
+  if config.schedule == "cosine" and saved is not None and saved != config.num_steps:
+    logging.warning(
+        "num_steps=%d differs from the run's %d in its config.json: the cosine schedule now "
+        "decays over %d steps, so the learning rates from the checkpoint on are not the ones "
+        "the run was following", config.num_steps, saved, config.num_steps)
+
+
 def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
   """The workdir as a Path, after the checks a resumed run needs (nothing is created)."""
   if not str(workdir).strip():
@@ -260,7 +273,9 @@ def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
     raise ConfigError(f"--workdir {workdir} is a file, not a directory")
   steps = [int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
   if steps and (workdir / "config.json").exists():
-    check_same_model((workdir / "config.json").read_text(), config)
+    saved_json = (workdir / "config.json").read_text()
+    check_same_model(saved_json, config)
+    _warn_if_the_schedule_moves(saved_json, config)
   if steps and max(steps) > config.num_steps:
     raise ConfigError(
         f"num_steps={config.num_steps} is below the latest checkpoint's step ({max(steps)}) in "
