@@ -1,0 +1,17 @@
+"""BLEU of validation hypotheses (of run B, /work/runs/rB) overall and on sources of >= 12 and >= 16 tokens.
+Usage: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/recipe/score_subsets.py HYP..."""
+import sys
+import numpy as np, sacrebleu, sentencepiece as spm
+from transformer_jax.translate import split_pairs
+W = '/work/runs/rB'
+lines, refs = split_pairs(W, 'validation')
+sp = spm.SentencePieceProcessor(model_file=W + '/tokenizer.model')
+n = np.array([len(x) for x in sp.encode(lines)])
+for path in sys.argv[1:]:
+  hyps = open(path).read().splitlines()
+  out = [path.rsplit('/', 1)[-1]]
+  for lo in (0, 12, 16):
+    m = n >= lo
+    b = sacrebleu.corpus_bleu([h for h, k in zip(hyps, m) if k], [[r for r, k in zip(refs, m) if k]])
+    out.append(f'>={lo}: {b.score:.2f} (BP {b.bp:.3f}, n={m.sum()})')
+  print(' | '.join(out))
