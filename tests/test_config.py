@@ -68,20 +68,30 @@ def test_a_workdir_of_another_model_is_refused():
   config_lib.check_same_model(saved.to_json(), averaged)
 
 
-def test_resuming_a_cosine_run_with_another_num_steps_is_logged(tmp_path, caplog):
+def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
-  assert config.schedule == "cosine"
+  assert config.schedule == "cosine" and config.num_steps == 20
   (tmp_path / "checkpoints" / "10").mkdir(parents=True)
   (tmp_path / "config.json").write_text(config.to_json())
   caplog.set_level("WARNING")
   config_lib.checked_workdir(str(tmp_path), config)  # The same command: nothing to say.
-  assert "cosine" not in caplog.text
-  config.num_steps = 40
+  config.grad_clip = 0.5  # Not a learning rate.
   config_lib.checked_workdir(str(tmp_path), config)
-  assert ("num_steps=40 differs from the run's 20 in its config.json: the cosine schedule now "
-          "decays over 40 steps") in caplog.text
+  assert "learning rates" not in caplog.text
+  config.num_steps = 40  # The cosine now decays over 40 steps.
+  config_lib.checked_workdir(str(tmp_path), config)
+  assert ("num_steps=40 (the run's: 20), grad_clip=0.5 (the run's: 1.0): the learning rates "
+          "from the checkpoint of step 10 on are not the ones the run was following"
+          ) in caplog.text
   caplog.clear()
-  config.schedule = "rsqrt"  # Its learning rates do not depend on num_steps.
+  saved = fra_eng.get_config("smoke")
+  saved.schedule = "rsqrt"  # Does not span num_steps: extending the run changes nothing.
+  (tmp_path / "config.json").write_text(saved.to_json())
+  config = fra_eng.get_config("smoke")
+  config.schedule, config.num_steps = "rsqrt", 40
   config_lib.checked_workdir(str(tmp_path), config)
-  assert "cosine" not in caplog.text
+  assert "learning rates" not in caplog.text
+  config.learning_rate *= 2
+  config_lib.checked_workdir(str(tmp_path), config)
+  assert "learning_rate=0.002 (the run's: 0.001)" in caplog.text

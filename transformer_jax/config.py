@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 from absl import logging
 
 from transformer_jax.model import TransformerConfig
@@ -238,7 +240,6 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError if a workdir's saved config describes another model (a resumed run
   must not restore, say, unscanned parameters into a scanned model)."""
-  import json
   saved_config = json.loads(saved_json)
   saved, current = saved_config.get("model", {}), config.model.to_dict()
   changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
@@ -252,16 +253,24 @@ def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None
          + " differ from its config.json")
 
 
-def _warn_if_the_schedule_moves(saved_json: str, config: ml_collections.ConfigDict) -> None:
-  """A cosine schedule spans num_steps: resuming with another num_steps changes the learning
-  rates from the checkpoint on (allowed, as extending a run is, but not silently)."""
-  import json
-  saved = json.loads(saved_json).get("num_steps")
-  if config.schedule == "cosine" and saved is not None and saved != config.num_steps:
-    logging.warning(
-        "num_steps=%d differs from the run's %d in its config.json: the cosine schedule now "
-        "decays over %d steps, so the learning rates from the checkpoint on are not the ones "
-        "the run was following", config.num_steps, saved, config.num_steps)
+def _warn_if_the_learning_rates_move(saved_json: str, config: ml_collections.ConfigDict,
+                                     from_step: int) -> None:
+  """Logs a warning when the run resumed from `from_step` would follow other learning rates
+  than the one in the workdir's config.json (say, a cosine schedule, which spans num_steps,
+  with another num_steps): allowed, as extending a run is, but not silently."""
+  from transformer_jax.train_lib import OptimizerConfig, learning_rate_schedule
+  saved = json.loads(saved_json)
+  names = [f.name for f in dataclasses.fields(OptimizerConfig)]
+  before = optimizer_config(ml_collections.ConfigDict(
+      {k: saved.get(k, config[k]) for k in names}))  # A field the run predates: as now.
+  after = optimizer_config(config)
+  steps = np.arange(from_step, min(before.num_steps, after.num_steps) + 1)
+  if np.array_equal(learning_rate_schedule(before)(steps), learning_rate_schedule(after)(steps)):
+    return
+  changed = ", ".join(f"{k}={getattr(after, k)!r} (the run's: {getattr(before, k)!r})"
+                      for k in names if getattr(before, k) != getattr(after, k))
+  logging.warning("%s: the learning rates from the checkpoint of step %d on are not the ones "
+                  "the run was following", changed, from_step)
 
 
 def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
@@ -275,7 +284,7 @@ def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
   if steps and (workdir / "config.json").exists():
     saved_json = (workdir / "config.json").read_text()
     check_same_model(saved_json, config)
-    _warn_if_the_schedule_moves(saved_json, config)
+    _warn_if_the_learning_rates_move(saved_json, config, max(steps))
   if steps and max(steps) > config.num_steps:
     raise ConfigError(
         f"num_steps={config.num_steps} is below the latest checkpoint's step ({max(steps)}) in "
