@@ -95,3 +95,11 @@ def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   config.learning_rate *= 2
   config_lib.checked_workdir(str(tmp_path), config)
   assert "learning_rate=0.002 (the run's: 0.001)" in caplog.text
+
+
+def test_a_damaged_config_json_of_a_resumed_run_is_one_error(tmp_path):
+  from configs import fra_eng
+  (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+  (tmp_path / "config.json").write_text('{"dataset": "fra_')  # Cut short.
+  with pytest.raises(config_lib.ConfigError, match=r"config.json is damaged \(Unterminated"):
+    config_lib.checked_workdir(str(tmp_path), fra_eng.get_config("smoke"))

@@ -283,6 +283,11 @@ def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
   steps = [int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
   if steps and (workdir / "config.json").exists():
     saved_json = (workdir / "config.json").read_text()
+    try:
+      json.loads(saved_json)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{workdir / 'config.json'} is damaged ({e}); restore it from a copy "
+                        "or start a new workdir") from None
     check_same_model(saved_json, config)
     _warn_if_the_learning_rates_move(saved_json, config, max(steps))
   if steps and max(steps) > config.num_steps:
