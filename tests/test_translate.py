@@ -86,6 +86,7 @@ def bad_inputs(tmp_path_factory):
     (["--input", "{d}/latin1.txt"], "{d}/latin1.txt line 2 is not UTF-8 text (byte 6: b'\\xe9')"),
     (["--batch_size", "0", "--input", "{d}/ok.txt"], "--batch_size must be at least 1, got 0"),
     (["--max_len", "100000", "Go."], "--max_len 100000 is over 36, 4 x the max_len the model"),
+    (["--segment_over", "-2", "Go."], "--segment_over must be -1 (split none), 0 (all)"),
     (["--input", "{d}/ok.txt", "--output", "{d}/missing/out.txt"],
      "--output {d}/missing/out.txt: directory {d}/missing does not exist"),
 ])
@@ -96,6 +97,26 @@ def test_translate_errors_are_one_line_and_write_nothing(d2l_workdir, bad_inputs
   assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message.format(d=bad_inputs)}")
   assert "Traceback" not in result.stderr and result.stdout == ""
   assert sorted(p.name for p in bad_inputs.iterdir()) == before
+
+
+def test_a_long_source_is_translated_sentence_by_sentence(d2l_workdir, tmp_path):
+  # 19 tokens with <eos>: over --segment_over's 16, and over d2l_tiny's max_len of 9.
+  (tmp_path / "in.txt").write_text("I lost. I'm home. I'm calm. I lost. I'm calm. I'm home.\n"
+                                   "\nI'm home.\n")
+  args = ["--workdir", str(d2l_workdir), "--input", str(tmp_path / "in.txt"), "--beam_size", "1",
+          "--batch_size", "4"]
+  result = _cli(*args)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines() == [
+      "j'ai perdu . je suis chez moi . je suis calme . j'ai perdu . je suis calme . "
+      "je suis chez moi .", "", "je suis chez moi ."]
+  assert "truncated" not in result.stderr
+  # --segment_over -1: whole, as before, and truncated to the model's 9 tokens.
+  whole = _cli(*args, "--segment_over", "-1")
+  assert whole.returncode == 0, whole.stderr[-2000:]
+  assert "sentence 1 has 19 tokens; truncated to the model's 9" in whole.stderr
+  assert whole.stdout.splitlines()[1:] == ["", "je suis chez moi ."]
+  assert len(whole.stdout.splitlines()[0].split()) < 12
 
 
 def test_empty_lines_translate_to_empty_lines_in_place(d2l_workdir, tmp_path):

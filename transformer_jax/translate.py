@@ -8,6 +8,10 @@
 `--split` translates a split of the workdir's own dataset (its config.json's dataset, data_dir
 and tfds_dir) and scores it against the split's targets: the validation BLEU recipes are
 chosen by.
+
+A source of more than `--segment_over` tokens (16) is translated sentence by sentence and the
+translations joined: the model learned from single sentences (and up to concat_max joined ones)
+and truncates a source over its max_len.
 """
 
 from __future__ import annotations
@@ -23,16 +27,32 @@ from pathlib import Path
 import tqdm
 from absl import app, flags, logging
 
-from transformer_jax import checkpoint
+from transformer_jax import checkpoint, segment
 from transformer_jax.metrics import corpus_bleu
 from transformer_jax.generation import DecodeOptions, InferenceError
 from transformer_jax.translator import Translator
 
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
-                    batch_size: int, progress: bool = True) -> list[str]:
+                    batch_size: int, progress: bool = True,
+                    segment_over: int | None = None) -> list[str]:
   """Translates many sentences, batched by similar length, in the input order; an empty (or
-  blank) line translates to an empty line."""
+  blank) line translates to an empty line. A line of more than `segment_over` tokens (with
+  <eos>) is translated sentence by sentence (segment.py); None: no line is split."""
+  if segment_over is None:
+    return _translate_each(translator, lines, options, batch_size, progress)
+  lengths = [len(ids) + 1 for ids in translator.tokenizers.src.encode(lines)]
+  pieces, owners = segment.split_long(lines, lengths, segment_over, translator.src_lang)
+  translations = _translate_each(translator, pieces, options, batch_size, progress,
+                                 numbers=[i + 1 for i in owners])
+  return segment.join(translations, owners, len(lines))
+
+
+def _translate_each(translator: Translator, lines: list[str], options: DecodeOptions,
+                    batch_size: int, progress: bool,
+                    numbers: list[int] | None = None) -> list[str]:
+  """`numbers`: each line's number in warnings (default: its index + 1)."""
+  numbers = numbers or list(range(1, len(lines) + 1))
   order = sorted((i for i in range(len(lines)) if lines[i].strip()), key=lambda i: len(lines[i]))
   out = [""] * len(lines)
   batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
@@ -41,7 +61,7 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
     sentences = [lines[i] for i in batch]
     pad = batch_size - len(batch)
     results = translator.translate(sentences + sentences[:1] * pad, options,
-                                   numbers=[i + 1 for i in batch] + [batch[0] + 1] * pad)
+                                   numbers=[numbers[i] for i in batch] + [numbers[batch[0]]] * pad)
     for i, text in zip(batch, results):
       out[i] = text
   return out
@@ -97,6 +117,11 @@ def define_flags():
   flags.DEFINE_integer("beam_size", 4, "Beam size; 1 decodes greedily.")
   flags.DEFINE_float("alpha", 0.6, "GNMT length penalty exponent (beam search).")
   flags.DEFINE_integer("max_len", 0, "Output tokens at most; 0: source length + 10.")
+  flags.DEFINE_integer("segment_over", 16, "Translate a source of more than this many tokens "
+                       "sentence by sentence (pysbd's sentence ends) and join the translations "
+                       "with a space; 0: every source; -1: none (a source over the model's "
+                       "max_len is then truncated). 16 was chosen on validation documents "
+                       "(README, \"Long sources\").")
   flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input.")
   flags.DEFINE_string("input", None, "File with one source sentence a line.")
   flags.DEFINE_string("output", None, "Where to write the translations of --input.")
@@ -121,6 +146,9 @@ def main(argv):
       raise InferenceError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
     if FLAGS.batch_size < 1:
       raise InferenceError(f"--batch_size must be at least 1, got {FLAGS.batch_size}")
+    if FLAGS.segment_over < -1:
+      raise InferenceError(f"--segment_over must be -1 (split none), 0 (all) or positive, got "
+                           f"{FLAGS.segment_over}")
     if FLAGS.max_len < 0:
       raise InferenceError(f"--max_len must be 0 (source length + 10) or positive, got "
                            f"{FLAGS.max_len}")
@@ -143,7 +171,9 @@ def main(argv):
     options = DecodeOptions(beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, max_len=FLAGS.max_len)
     many = bool(FLAGS.input or FLAGS.split)
     batch_size = FLAGS.batch_size if many else max(1, len(lines))
-    hypotheses = translate_lines(translator, lines, options, batch_size, progress=many)
+    segment_over = None if FLAGS.segment_over < 0 else FLAGS.segment_over
+    hypotheses = translate_lines(translator, lines, options, batch_size, progress=many,
+                                 segment_over=segment_over)
     if FLAGS.output:
       Path(FLAGS.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     else:

@@ -64,6 +64,12 @@ class Translator:
     logging.info("Restored step %d from %s (%s)", self.step, ckpt_dir,
                  "the parameters' moving average" if self.uses_ema else "the parameters")
 
+  @property
+  def src_lang(self) -> str:
+    """The source language's code (e.g. "en"), from the dataset the model was trained on."""
+    from transformer_jax.data.sources import DATASETS  # tfds: imported only when asked.
+    return DATASETS[self.config.dataset].src_lang
+
   def _abstract_params(self):
     dummy = jnp.ones((1, 2), jnp.int32)
     boxed = jax.eval_shape(self.model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
