@@ -159,9 +159,13 @@ def test_missing_checkpoint_and_corrupt_tokenizer(d2l_workdir, tmp_path):
 
 def test_overlong_sentence_is_truncated_with_a_warning(d2l_workdir, caplog):
   translator = Translator(d2l_workdir)
-  out = translator.translate(["I lost " + "very " * 20 + "much."], DecodeOptions(beam_size=1))
-  assert len(out) == 1
-  assert any("truncated to the model's 9" in r.getMessage() for r in caplog.records)
+  long = "I lost " + "very " * 20 + "much."
+  # A batch padded with copies of sentence 3 (as translate_lines pads) warns of it once.
+  out = translator.translate([long, long, "I lost."], DecodeOptions(beam_size=1),
+                             numbers=[3, 3, 4])
+  assert len(out) == 3 and out[0] == out[1]
+  assert [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()] == [
+      "sentence 3 has 25 tokens; truncated to the model's 9"]
 
 
 def test_d2l_bleu_matches_the_chapters_definition():

@@ -58,14 +58,16 @@ def encode_sources(tokenizer, sentences: list[str], max_src_len: int,
   (few distinct shapes, few compilations). Overlong sentences are truncated with a warning;
   an empty one is an error. Messages name sentence `numbers[i]` (default: i + 1)."""
   numbers = numbers or list(range(1, len(sentences) + 1))
-  ids = []
+  ids, warned = [], set()  # A batch padded with copies of a sentence warns of it once.
   for i, row in enumerate(tokenizer.encode(sentences)):
     if not sentences[i].strip() or not row:
       raise InferenceError(f"sentence {numbers[i]} is empty")
     row = list(row) + [EOS]
     if len(row) > max_src_len:
-      logging.warning("sentence %d has %d tokens; truncated to the model's %d", numbers[i],
-                      len(row), max_src_len)
+      if (numbers[i], sentences[i]) not in warned:
+        logging.warning("sentence %d has %d tokens; truncated to the model's %d", numbers[i],
+                        len(row), max_src_len)
+        warned.add((numbers[i], sentences[i]))
       row = row[:max_src_len - 1] + [EOS]
     ids.append(row)
   width = width or -(-max(len(r) for r in ids) // 8) * 8
