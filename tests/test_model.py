@@ -12,7 +12,9 @@ from transformer_jax.model import (Transformer, TransformerConfig, sinusoidal_po
 
 
 def _params(cfg, src, tgt):
-  return nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), src, tgt)["params"])
+  # Jitted: op by op, initialising even the tiny model takes 15 s on 2 cores.
+  init = jax.jit(Transformer(cfg).init)
+  return nn.meta.unbox(init(jax.random.PRNGKey(0), src, tgt)["params"])
 
 
 def test_base_size_shapes_without_allocating():
@@ -135,20 +137,21 @@ def test_scanned_layers_give_the_unscanned_outputs(remat):
   assert jax.tree.map(jnp.shape, scanned_init) == jax.tree.map(jnp.shape, stacked)
   assert scanned_init["encoder_stack"]["layers"]["block"]["ffn"]["wi"]["kernel"].shape == (
       3, 32, 64)
-  full = Transformer(cfg).apply({"params": params}, src, tgt)
-  scanned = Transformer(scanned_cfg).apply({"params": stacked}, src, tgt)
+  # Jitted, as op by op the layers and their gradients are slow.
+  full = jax.jit(Transformer(cfg).apply)({"params": params}, src, tgt)
+  scanned = jax.jit(Transformer(scanned_cfg).apply)({"params": stacked}, src, tgt)
   np.testing.assert_allclose(np.asarray(scanned), np.asarray(full), atol=1e-5)
   # Gradients agree too (remat changes what is stored, not what is computed).
   loss = lambda model, p: jnp.sum(model.apply({"params": p}, src, tgt) ** 2)
-  g_full = jax.grad(lambda p: loss(Transformer(cfg), p))(params)
-  g_scan = jax.grad(lambda p: loss(Transformer(scanned_cfg), p))(stacked)
+  g_full = jax.jit(jax.grad(lambda p: loss(Transformer(cfg), p)))(params)
+  g_scan = jax.jit(jax.grad(lambda p: loss(Transformer(scanned_cfg), p)))(stacked)
   np.testing.assert_allclose(
       np.asarray(g_scan["decoder_stack"]["layers"]["block"]["ffn"]["wo"]["kernel"][1]),
       np.asarray(g_full["decoder_1"]["ffn"]["wo"]["kernel"]), rtol=1e-4, atol=1e-6)
   # Cached decoding of the scanned model matches the teacher-forced pass.
   model = Transformer(scanned_cfg)
-  cache = generation.encode_and_cache(model, stacked, src, 6)
-  step = generation.tokens_to_logits_fn(model, stacked)
+  cache = jax.jit(generation.encode_and_cache, static_argnums=(0, 3))(model, stacked, src, 6)
+  step = jax.jit(generation.tokens_to_logits_fn(model, stacked))
   for t in range(tgt.shape[1]):
     logits, cache = step(tgt[:, t:t + 1], cache)
     real = np.asarray(tgt[:, t] != 0)
