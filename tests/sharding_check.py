@@ -1,7 +1,8 @@
 """Run by test_sharding.py in a fresh process with 8 fake CPU devices.
 
-Trains the tiny model for a few steps on one device and on a given (data, fsdp, tensor) mesh
-over the same batches and prints the losses and how the parameters were split, as JSON.
+Trains the tiny model for a few steps on one device and on each (data, fsdp, tensor) mesh given
+("8,1,1" ...) over the same batches and prints the losses and how the parameters were split,
+as JSON.
 """
 
 import json
@@ -54,6 +55,6 @@ def run(mesh_shape, devices):
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
-  shape = tuple(int(s) for s in sys.argv[1].split(","))
-  print(json.dumps({"single": run((1, 1, 1), jax.devices()[:1]),
-                    "mesh": run(shape, jax.devices())}))
+  meshes = {arg: run(tuple(int(s) for s in arg.split(",")), jax.devices())
+            for arg in sys.argv[1:]}
+  print(json.dumps({"single": run((1, 1, 1), jax.devices()[:1]), "meshes": meshes}))

@@ -10,27 +10,31 @@ from tests.conftest import ROOT
 from transformer_jax import sharding
 
 
-def _check(mesh_shape):
+MESHES = {  # (data, fsdp, tensor): the shard shapes of an FFN kernel and an embedding table.
+    "8,1,1": ([32, 64], [128, 32]),  # Pure data parallelism: parameters replicated.
+    "2,2,2": ([16, 32], [64, 16]),  # embed split over fsdp=2, mlp and vocab over tensor=2.
+    "1,8,1": ([4, 64], [128, 4]),  # embed split 8 ways.
+}
+
+
+@pytest.fixture(scope="module")
+def trained_on_meshes():
+  """One process with 8 fake devices trains on one device and on each of MESHES."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  out = subprocess.run([sys.executable, "-m", "tests.sharding_check", mesh_shape], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+  out = subprocess.run([sys.executable, "-m", "tests.sharding_check", *MESHES], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mesh_shape,wi_shard,embed_shard", [
-    ("8,1,1", [32, 64], [128, 32]),  # Pure data parallelism: parameters replicated.
-    ("2,2,2", [16, 32], [64, 16]),  # embed split over fsdp=2, mlp and vocab over tensor=2.
-    ("1,8,1", [4, 64], [128, 4]),  # embed split 8 ways.
-])
-def test_meshes_give_single_device_losses_and_split_parameters(mesh_shape, wi_shard, embed_shard):
-  result = _check(mesh_shape)
-  np.testing.assert_allclose(result["mesh"]["losses"], result["single"]["losses"], rtol=2e-5)
-  assert result["single"]["losses"][-1] < result["single"]["losses"][0]
-  assert result["mesh"]["wi_shard"] == wi_shard
-  assert result["mesh"]["embed_shard"] == embed_shard
-  assert result["single"]["wi_shard"] == [32, 64]
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_meshes_give_single_device_losses_and_split_parameters(trained_on_meshes, mesh_shape):
+  single, mesh = trained_on_meshes["single"], trained_on_meshes["meshes"][mesh_shape]
+  np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=2e-5)
+  assert single["losses"][-1] < single["losses"][0]
+  assert [mesh["wi_shard"], mesh["embed_shard"]] == list(MESHES[mesh_shape])
+  assert single["wi_shard"] == [32, 64]
 
 
 def test_mesh_shape_resolves_and_rejects():
