@@ -49,14 +49,15 @@ lengths = np.array([len(ids) + 1 for ids in translator.tokenizers.src.encode(doc
 buckets = [(1, 24), (25, 48), (49, 64), (65, 10**6)]
 print(f"{len(docs)} documents from {len(lines)} validation pairs; tokens per document: "
       f"median {int(np.median(lengths))}, max {lengths.max()}, over 64: {(lengths > 64).sum()}")
+in_bucket = lambda lo, hi: (lengths >= lo) & (lengths <= hi)
 print("| split documents of more than | all | " +
-      " | ".join(f"{lo}-{hi if hi < 10**6 else ''} tokens (n={((lengths >= lo) & (lengths <= hi)).sum()})"
+      " | ".join(f"{lo}-{hi if hi < 10**6 else ''} tokens (n={in_bucket(lo, hi).sum()})"
                  for lo, hi in buckets) + " |")
 for over in (None, 64, 48, 32, 16, 0):
   chosen = [hyps["sentences"][d] if over is not None and lengths[d] > over else hyps["whole"][d]
             for d in range(len(docs))]
   cells = []
-  for mask in [lengths > 0] + [(lengths >= lo) & (lengths <= hi) for lo, hi in buckets]:
+  for mask in [lengths > 0] + [in_bucket(lo, hi) for lo, hi in buckets]:
     bleu = sacrebleu.corpus_bleu([h for h, m in zip(chosen, mask) if m],
                                  [[r for r, m in zip(doc_refs, mask) if m]])
     cells.append(f"{bleu.score:.2f}")

@@ -23,8 +23,8 @@ translator = Translator(workdir, ema=False)
 multi = [i for i, line in enumerate(lines) if len(segment.sentences(line, "en")) > 1]
 path = out / "pairs_multi.sentences.hyp"
 if not path.exists():
-  hyps = translate_lines(translator, [lines[i] for i in multi], DecodeOptions(beam_size=4, alpha=1.0),
-                         64, segment_over=0)
+  hyps = translate_lines(translator, [lines[i] for i in multi],
+                         DecodeOptions(beam_size=4, alpha=1.0), 64, segment_over=0)
   path.write_text("".join(h + "\n" for h in hyps))
 split = dict(zip(multi, path.read_text().splitlines()))
 lengths = np.array([len(ids) + 1 for ids in translator.tokenizers.src.encode(lines)])
