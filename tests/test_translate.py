@@ -87,6 +87,7 @@ def bad_inputs(tmp_path_factory):
     (["--batch_size", "0", "--input", "{d}/ok.txt"], "--batch_size must be at least 1, got 0"),
     (["--max_len", "100000", "Go."], "--max_len 100000 is over 36, 4 x the max_len the model"),
     (["--segment_over", "-2", "Go."], "--segment_over must be -1 (split none), 0 (all)"),
+    (["--long_beam_size", "-1", "Go."], "--long_beam_size and --long_over must be 0 or positive"),
     (["--input", "{d}/ok.txt", "--output", "{d}/missing/out.txt"],
      "--output {d}/missing/out.txt: directory {d}/missing does not exist"),
 ])
@@ -117,6 +118,34 @@ def test_a_long_source_is_translated_sentence_by_sentence(d2l_workdir, tmp_path)
   assert "sentence 1 has 19 tokens; truncated to the model's 9" in whole.stderr
   assert whole.stdout.splitlines()[1:] == ["", "je suis chez moi ."]
   assert len(whole.stdout.splitlines()[0].split()) < 12
+
+
+def test_long_sources_are_decoded_with_the_long_beam(d2l_workdir, fra_eng_builder, tmp_path):
+  from transformer_jax.data import sources
+  from transformer_jax.translate import translate_lines
+  translator = Translator(d2l_workdir)
+  lines = [s for s, _ in sources.pairs(fra_eng_builder, "fra_eng", "validation[:160]")]
+  over = 4  # Beam 4 and greedy differ on some of these of 4 tokens (with <eos>) and of 5.
+  is_long = [len(ids) + 1 > over for ids in translator.tokenizers.src.encode(lines)]
+  short = [x for x, k in zip(lines, is_long) if not k]
+  long = [x for x, k in zip(lines, is_long) if k]
+  greedy, beam = DecodeOptions(beam_size=1), DecodeOptions(beam_size=4)
+  out = translate_lines(translator, lines, greedy, 16, progress=False, long_beam=(over, 4))
+  # Each group translated on its own, with its options, in the same batches.
+  by_group = {False: iter(translate_lines(translator, short, greedy, 16, progress=False)),
+              True: iter(translate_lines(translator, long, beam, 16, progress=False))}
+  assert out == [next(by_group[k]) for k in is_long]
+  # The choice shows: this holds for neither beam applied to every line.
+  assert out != translate_lines(translator, lines, greedy, 16, progress=False)
+  assert out != translate_lines(translator, lines, beam, 16, progress=False)
+  # The command: beam 4, and greedy (beam 1) for the long ones.
+  (tmp_path / "in.txt").write_text("".join(x + "\n" for x in lines))
+  result = _cli("--workdir", str(d2l_workdir), "--input", str(tmp_path / "in.txt"),
+                "--batch_size", "16", "--beam_size", "4", "--long_beam_size", "1",
+                "--long_over", str(over))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines() == translate_lines(translator, lines, beam, 16,
+                                                       progress=False, long_beam=(over, 1))
 
 
 def test_empty_lines_translate_to_empty_lines_in_place(d2l_workdir, tmp_path):
