@@ -88,6 +88,8 @@ def bad_inputs(tmp_path_factory):
     (["--max_len", "100000", "Go."], "--max_len 100000 is over 36, 4 x the max_len the model"),
     (["--segment_over", "-2", "Go."], "--segment_over must be -1 (split none), 0 (all)"),
     (["--long_beam_size", "-1", "Go."], "--long_beam_size and --long_over must be 0 or positive"),
+    (["--beam_size", "1", "--long_beam_size", "4", "Go."],
+     "--long_beam_size needs beam search: --beam_size 1 decodes greedily"),
     (["--input", "{d}/ok.txt", "--output", "{d}/missing/out.txt"],
      "--output {d}/missing/out.txt: directory {d}/missing does not exist"),
 ])
