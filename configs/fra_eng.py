@@ -6,9 +6,11 @@ Command (data read from a local copy of fra-eng.zip):
 The recipe was chosen on the validation split (README, "Choosing the recipe"): against the
 first default (rsqrt schedule, rows of 48 x 48, no augmentation) it decays the learning rate to
 0 with a cosine, joins training pairs into longer examples (concatenation augmentation; the
-held-out sentences are longer than most of fra.txt's) and packs rows of 64 tokens (36 of them:
-the same tokens a step). A moving average of the parameters and checkpoint averaging were
-measured and not taken (both scored lower on validation with this schedule).
+held-out sentences are longer than most of fra.txt's), packs rows of 64 tokens (36 of them:
+the same tokens a step) and trains without dropout (2,000 steps are about 2.5 passes over the
+training pairs: dropout only slowed learning, and a step is cheaper without its random masks).
+A moving average of the parameters and checkpoint averaging were measured and not taken (both
+scored lower on validation with this schedule).
 `configs/fra_eng.py:smoke` runs a few steps of a tiny model in seconds.
 """
 
@@ -23,11 +25,14 @@ def get_config(arg=None):
   c.batch_size = 36  # 36 x 64 = 2,304 token slots a side, as 48 x 48 before.
   c.concat_prob, c.concat_max = 0.3, 3
   c.model.update(d_model=256, num_heads=4, ffn_dim=1024, num_encoder_layers=3,
-                 num_decoder_layers=3, dropout_rate=0.1)
+                 num_decoder_layers=3, dropout_rate=0.0)  # 0.1: 2.5 BLEU less on validation.
   c.num_steps = 2000
   c.schedule = "cosine"
   c.learning_rate = 1e-3
   c.warmup_steps = 300
   c.ema_decay = 0.0  # 0.998 gave 0.23 less validation BLEU than the parameters themselves.
   c.eval_every = c.checkpoint_every = 250
-  return c if arg != "smoke" else smoke(c)
+  if arg == "smoke":
+    c.model.dropout_rate = 0.1  # Kept in smoke runs: the resume tests then cover dropout masks.
+    return smoke(c)
+  return c
