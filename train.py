@@ -69,7 +69,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   pipeline.log_selection(config.train_split, stream.selection, config.max_len)
   eval_data = pipeline.eval_batches(
       data.eval, batch_size=config.eval_batch_size, max_len=config.max_len,
-      overlong=config.overlong, process_index=jax.process_index(), process_count=hosts)
+      overlong=config.overlong, pack=config.packing, process_index=jax.process_index(),
+      process_count=hosts)
   if config.num_eval_batches > 0:
     eval_data = eval_data[:config.num_eval_batches]
 

@@ -252,18 +252,36 @@ def test_hosts_together_see_the_single_host_batches(tmp_path):
     _stream(cache, process_count=3)
 
 
-def test_eval_batches_cover_every_kept_pair_once(tmp_path):
+@pytest.mark.parametrize("pack", [True, False])
+def test_eval_batches_cover_every_kept_pair_once(tmp_path, pack):
   cache = _cache(tmp_path, _random_pairs())
   sel = packing.select(cache, 8, "drop")
+  per_host = {}
   for hosts in (1, 2):
-    batches = [pipeline.eval_batches(cache, batch_size=16, max_len=8, overlong="drop",
+    batches = [pipeline.eval_batches(cache, batch_size=16, max_len=8, overlong="drop", pack=pack,
                                      process_index=i, process_count=hosts) for i in range(hosts)]
     assert len({len(b) for b in batches}) == 1  # Every host: the same number of batches.
     rows = [b for host in batches for b in host]
     assert all(b["inputs"].shape == (16 // hosts, 8) for b in rows)
-    assert sum(int((b["targets_segment_ids"].sum(1) > 0).sum()) for b in rows) == len(sel.ids)
-    tokens = sum(int(b["targets_segment_ids"].sum()) for b in rows)
-    assert tokens == int((sel.tgt_len + 1).sum())
+    # Each (row, segment) is one pair; read back in order, they are the selection's pairs.
+    got = []
+    for b in zip(*batches):
+      b = {k: np.concatenate([part[k] for part in b]) for k in b[0]}
+      for r in range(16):
+        for seg in range(1, b["targets_segment_ids"][r].max() + 1):
+          got.append((b["inputs"][r][b["inputs_segment_ids"][r] == seg][:-1].tolist(),
+                      b["targets"][r][b["targets_segment_ids"][r] == seg][:-1].tolist()))
+    assert sorted(got) == sorted((list(cache.ids("src", i)), list(cache.ids("tgt", i)))
+                                 for i in sel.ids)
+    per_host[hosts] = [np.concatenate([part[k] for part in b]) for b in zip(*batches)
+                       for k in sorted(b[0])]
+  # Two hosts' rows, put together, are the one host's batches.
+  for a, b in zip(per_host[1], per_host[2], strict=True):
+    np.testing.assert_array_equal(a, b)
+  rows_used = sum(int((b["targets_segment_ids"].max(1) > 0).sum()) for b in
+                  pipeline.eval_batches(cache, batch_size=16, max_len=8, overlong="drop",
+                                        pack=pack))
+  assert (rows_used < len(sel.ids)) if pack else (rows_used == len(sel.ids))
 
 
 def test_prepare_fits_the_tokenizer_once_and_shares_it(fra_eng_builder, tfds_dir, tmp_path):

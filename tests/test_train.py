@@ -140,13 +140,21 @@ def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded(tmp_path):
       tgt = packed["targets"][r][packed["targets_segment_ids"][r] == seg]
       unpacked.append((src[:-1], tgt[:-1]))  # Without <eos>: the cache holds bare ids.
   padded = pipeline.eval_batches(_id_cache(tmp_path / "u", unpacked), batch_size=len(unpacked),
-                                 max_len=16, overlong="drop")[0]
+                                 max_len=16, overlong="drop", pack=False)[0]
   model = Transformer(tiny_model_config())
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), padded["inputs"],
                                     padded["decoder_inputs"])["params"])
   state = train_lib.TrainState.create(apply_fn=model.apply, params=params,
                                       tx=optax.sgd(0.1), rng=jax.random.PRNGKey(0))
+  # The evaluation split packed as in training (every sentence in one batch of 2 rows here).
+  eval_packed = pipeline.eval_batches(_id_cache(tmp_path / "u", unpacked), batch_size=2,
+                                      max_len=16, overlong="drop")
+  assert len(eval_packed) == 1 and eval_packed[0]["targets_segment_ids"].max() >= 2
   a = train_lib.eval_step(state, packed)
   b = train_lib.eval_step(state, padded)
-  assert float(a["tokens"]) == float(b["tokens"]) == sum(len(t) + 1 for _, t in unpacked) == 12
-  np.testing.assert_allclose(float(a["nll_sum"]), float(b["nll_sum"]), rtol=1e-5)
+  c = train_lib.eval_step(state, eval_packed[0])
+  assert float(a["tokens"]) == float(b["tokens"]) == float(c["tokens"]) == 12
+  assert sum(len(t) + 1 for _, t in unpacked) == 12
+  for x in (a, c):
+    np.testing.assert_allclose(float(x["nll_sum"]), float(b["nll_sum"]), rtol=1e-5)
+    assert float(x["correct"]) == float(b["correct"])

@@ -4,9 +4,9 @@
 a bounded sample of the training split) and a token-id cache of each split; nothing is held in
 memory whole. `TrainStream` yields endless packed training batches made by grain worker
 processes; its position is two integers of the global stream (block, batch), the same on every
-host, so a checkpoint resumes on any number of hosts or workers. `eval_batches` pads the
-evaluation split. Every batch has the fixed shape [rows, max_len] and carries
-`*_segment_ids` (0 = padding) and `*_positions` (see `packing`), so steps compile once.
+host, so a checkpoint resumes on any number of hosts or workers. `eval_batches` packs the
+evaluation split the same way, in order. Every batch has the fixed shape [rows, max_len] and
+carries `*_segment_ids` (0 = padding) and `*_positions` (see `packing`), so steps compile once.
 """
 
 from __future__ import annotations
@@ -203,28 +203,33 @@ class TrainStream:
 
 
 def eval_batches(cache: token_cache.TokenCache, *, batch_size: int, max_len: int, overlong: str,
-                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """Padded [batch_size // process_count, max_len] batches covering every kept pair once.
+                 pack: bool = True, process_index: int = 0,
+                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """[batch_size // process_count, max_len] batches holding every kept pair once, in order.
 
-  The last batch is filled with empty rows (segment id 0 everywhere), and every host gets the
-  same number of batches, so shapes never change and collectives line up.
+  Pairs are packed as in training (`pack`), or one a row. Every host computes the same plan of
+  global batches and fills its own rows of each: so every host gets the same number of batches,
+  the rows a host lacks are empty (segment id 0 everywhere), shapes never change and
+  collectives line up.
   """
   sel = packing.select(cache, max_len, overlong)
+  plans = (packing.first_fit(sel.src_len + 1, sel.tgt_len + 1, batch_size, max_len) if pack
+           else packing.one_per_row(len(sel.ids), batch_size))
   local = batch_size // process_count
-  mine = np.arange(process_index, len(sel.ids), process_count)
+  first, stop = process_index * local, (process_index + 1) * local
   tokens = (cache.tokens("src"), cache.tokens("tgt"))
   offsets = (cache.offsets("src"), cache.offsets("tgt"))
   batches = []
-  for b in range(-(-len(sel.ids) // batch_size)):
-    rows = mine[b * local:(b + 1) * local]
-    pair, zeros = sel.ids[rows], np.zeros(len(rows), np.int64)
+  for plan in plans:
+    mine = (plan.row >= first) & (plan.row < stop)
+    ex = plan.example[mine]
+    pair = sel.ids[ex]
     batches.append(packing.fill_rows(
-        tokens, (packing.token_index(offsets[0][pair], sel.src_len[rows]),
-                 packing.token_index(offsets[1][pair], sel.tgt_len[rows])),
-        (sel.src_len[rows], sel.tgt_len[rows]),
-        np.arange(len(rows)), (zeros, zeros), local, max_len))
+        tokens, (packing.token_index(offsets[0][pair], sel.src_len[ex]),
+                 packing.token_index(offsets[1][pair], sel.tgt_len[ex])),
+        (sel.src_len[ex], sel.tgt_len[ex]), plan.row[mine] - first,
+        (plan.src_offset[mine], plan.tgt_offset[mine]), local, max_len))
   return batches
-
 
 
 class Prefetched:
