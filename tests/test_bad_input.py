@@ -135,6 +135,17 @@ def test_a_corrupt_zip_is_named(smoke_config, tmp_path):
     train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
 
 
+@pytest.mark.parametrize("split,message", [
+    ("valid", r"split 'valid' of fra_eng cannot be read: Unknown split 'valid'"),
+    ("validation[:0]", r"split 'validation\[:0\]' of fra_eng cannot be read"),
+])
+def test_a_bad_split_is_named(smoke_config, tmp_path, split, message):
+  smoke_config.eval_split = split
+  with pytest.raises(DatasetError, match=message):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
 def test_no_data_dir_and_an_unreachable_source_fails_fast(smoke_config, tmp_path, monkeypatch):
   monkeypatch.setitem(sources.DOWNLOAD_HOSTS, "fra_eng", "127.0.0.1")  # Nothing listens on 443.
   smoke_config.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))

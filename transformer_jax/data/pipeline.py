@@ -5,7 +5,7 @@ a bounded sample of the training split) and a token-id cache of each split; noth
 memory whole. `TrainStream` yields endless packed training batches made by grain worker
 processes; its position is two integers of the global stream (block, batch), the same on every
 host, so a checkpoint resumes on any number of hosts or workers. `eval_batches` packs the
-evaluation split the same way, in order. Every batch has the fixed shape [rows, max_len] and
+evaluation split the same way, each pair once. Every batch has the fixed shape [rows, max_len] and
 carries `*_segment_ids` (0 = padding) and `*_positions` (see `packing`), so steps compile once.
 """
 
@@ -205,12 +205,12 @@ class TrainStream:
 def eval_batches(cache: token_cache.TokenCache, *, batch_size: int, max_len: int, overlong: str,
                  pack: bool = True, process_index: int = 0,
                  process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """[batch_size // process_count, max_len] batches holding every kept pair once, in order.
+  """[batch_size // process_count, max_len] batches holding every kept pair once.
 
-  Pairs are packed as in training (`pack`), or one a row. Every host computes the same plan of
-  global batches and fills its own rows of each: so every host gets the same number of batches,
-  the rows a host lacks are empty (segment id 0 everywhere), shapes never change and
-  collectives line up.
+  Pairs are packed first-fit in split order as in training (`pack`), or one a row. Every host
+  computes the same plan of global batches and fills its own rows of each: so every host gets
+  the same number of batches, the rows a host lacks are empty (segment id 0 everywhere),
+  shapes never change and collectives line up.
   """
   sel = packing.select(cache, max_len, overlong)
   plans = (packing.first_fit(sel.src_len + 1, sel.tgt_len + 1, batch_size, max_len) if pack

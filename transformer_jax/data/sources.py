@@ -86,8 +86,14 @@ class TextPairs:
     spec = DATASETS[name]
     self.keys = (spec.src_lang, spec.tgt_lang)
     self.split = split
-    self._records = builder.as_data_source(
-        split, deserialize_method=decode.DeserializeMethod.RAW_BYTES)
+    try:  # An unknown split name, or a slice of no records ("validation[:0]").
+      self._records = builder.as_data_source(
+          split, deserialize_method=decode.DeserializeMethod.RAW_BYTES)
+    except ValueError as e:
+      raise builders.DatasetError(f"split {split!r} of {name} cannot be read: "
+                                  f"{str(e).strip().splitlines()[0]}") from e
+    if not len(self._records):
+      raise builders.DatasetError(f"split {split!r} of {name} holds no pairs")
 
   def __len__(self) -> int:
     return len(self._records)
