@@ -1,0 +1,34 @@
+"""One in-training evaluation of configs/fra_eng.py timed twice (initial parameters): the
+validation loss over the split and the greedy BLEU of 256 sentences. Run from the repository
+root: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/recipe/eval_batches_time.py
+(it reads the tokenizer and token cache of the workdir /work/runs/rD). Output of 2026-11-23:
+eval_batches_time.txt (before: eval_batches without `pack`; after: with pack=config.packing)."""
+import sys, time
+sys.argv = sys.argv[:1]
+import jax, numpy as np
+from ml_collections import config_flags
+from transformer_jax import config as config_lib, sharding, train_lib
+from transformer_jax.bleu_eval import BleuEval
+from transformer_jax.data import pipeline
+from transformer_jax.model import Transformer
+import importlib.util, pathlib
+spec = importlib.util.spec_from_file_location("c", "configs/fra_eng.py"); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+config = m.get_config()
+config.data_dir = "../shared/data/fra-eng"
+import os
+for kv in os.environ.get("SETS", "").split():
+  k, v = kv.split("="); config[k] = type(config[k])(v)
+mesh = config_lib.checked_mesh(config)
+workdir = pathlib.Path("/work/runs/rD")
+data = pipeline.prepare(config_lib.data_config(config), workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=True, wait_for_first_host=lambda: False)
+model = Transformer(config_lib.model_config(config, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size))
+state, sh = train_lib.create_train_state(model, train_lib.make_optimizer(config_lib.optimizer_config(config)), 0, mesh, config.max_len)
+eval_data = pipeline.eval_batches(data.eval, batch_size=config.eval_batch_size, max_len=config.max_len, overlong=config.overlong, pack=config.packing, process_index=0, process_count=1)
+p_train, p_eval = train_lib.jit_steps(sh, mesh, config_lib.step_config(config))
+bleu = BleuEval(model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
+print("eval batches", len(eval_data), eval_data[0]["inputs"].shape if isinstance(eval_data[0], dict) else "")
+with sharding.mesh_context(mesh):
+  for rep in range(2):
+    t = time.perf_counter(); r = train_lib.summarize_eval([p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data]); t1 = time.perf_counter()
+    b = bleu(state.eval_params()); t2 = time.perf_counter()
+    print(f"rep {rep}: eval loss {t1-t:.1f}s bleu {t2-t1:.1f}s", flush=True)
