@@ -19,11 +19,12 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from transformer_jax import (checkpoint, config as config_lib, launch,
+from transformer_jax import (checkpoint, config as config_lib, fs, launch,
                              preemption as preemption_lib, sharding, train_lib, writers)
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
 from transformer_jax.data.builders import DatasetError
+from transformer_jax.data.packing import NoPairsError
 from transformer_jax.data.tokenizer import TokenizerError
 from transformer_jax.model import Transformer
 
@@ -43,6 +44,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   config_lib.validate(config)
   mesh = config_lib.checked_mesh(config)
   workdir = config_lib.checked_workdir(workdir, config)
+  fs.check_writable(workdir, "--workdir")
   primary, hosts = jax.process_index() == 0, jax.process_count()
 
   data_cfg = config_lib.data_config(config)
@@ -163,9 +165,18 @@ def main(argv):
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (config_lib.ConfigError, FileNotFoundError, train_lib.NonFiniteError,
-          checkpoint.CheckpointDamagedError, DatasetError, TokenizerError) as e:
+          checkpoint.CheckpointDamagedError, checkpoint.CheckpointMismatchError, DatasetError,
+          NoPairsError, TokenizerError) as e:
     logging.flush()
     sys.exit(f"error: {e}")
+  except OSError as e:  # The workdir, data or cache directories: full, gone, not writable.
+    logging.flush()
+    sys.exit(f"error: {fs.describe(e)}")
+  except KeyboardInterrupt:  # Ctrl-C before the loop (in it, a signal stops at a step's end).
+    logging.flush()
+    print("error: interrupted before training started; nothing was saved. Run the same "
+          "command to start again", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

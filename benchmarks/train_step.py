@@ -30,40 +30,12 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
+from transformer_jax.flops import model_flops, segment_lengths  # noqa: E402,F401
 from transformer_jax.model import Transformer, TransformerConfig  # noqa: E402
 
 # Dense peak FLOP/s per chip in bfloat16 (vendor data sheets).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12,
              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12}
-
-
-def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarray) -> float:
-  """Training FLOPs (forward + backward = 3 x forward) of one batch.
-
-  src_lens, tgt_lens: [B] lengths attended over (one sentence a row; for packed rows pass the
-  per-sentence lengths of every sentence). Multiply-adds count 2 FLOPs.
-  """
-  d, f, v = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
-  s, t = src_lens.astype(np.float64), tgt_lens.astype(np.float64)
-  enc = cfg.num_encoder_layers * (
-      (8 * d * d + 4 * d * f) * s.sum()  # Q, K, V, O projections and the FFN
-      + 4 * d * (s * s).sum())  # scores and weighted values over all S keys
-  dec = cfg.num_decoder_layers * (
-      (8 * d * d + 4 * d * d + 4 * d * f) * t.sum()  # self Q,K,V,O; cross Q,O; FFN
-      + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
-      + 2 * d * (t * t).sum()  # causal self-attention: half the T x T scores
-      + 4 * d * (t * s).sum())  # cross-attention scores and values
-  out = 2 * d * v * t.sum()  # vocabulary projection
-  return 3.0 * (enc + dec + out)
-
-
-def segment_lengths(segment_ids: np.ndarray) -> np.ndarray:
-  """All sentences' lengths in a [B, L] batch of segment ids (0 = padding)."""
-  lens = []
-  for row in segment_ids:
-    ids, counts = np.unique(row[row > 0], return_counts=True)
-    lens.extend(counts.tolist())
-  return np.array(lens)
 
 
 def matmul_rate(dtype, n: int | None = None, repeats: int = 10) -> tuple[float, int]:

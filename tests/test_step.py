@@ -142,3 +142,34 @@ def test_moving_average_follows_the_parameters_and_skips_non_finite_steps():
     got = p_eval(state, batch)
     want = train_lib.loss_sums(model.apply, state.ema_params, batch)
     np.testing.assert_allclose(float(got["nll_sum"]), float(want["nll_sum"]), rtol=1e-6)
+
+
+def test_a_scanned_bfloat16_model_initializes_and_trains_a_step():
+  """The scanned stack's carry keeps the compute dtype (a NumPy scale once made it float32)."""
+  mesh = sharding.make_mesh((-1, 1, 1))
+  model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB,
+                                        dtype="bfloat16", scan_layers=True))
+  state, shardings = train_lib.create_train_state(model, optax.adam(1e-3), 0, mesh, LENGTH)
+  before = jax.tree.map(np.asarray, state.params)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
+  with sharding.mesh_context(mesh):
+    state, metrics = p_train(state, sharding.global_batch(_batch(), mesh))
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 0
+  assert jax.tree.leaves(state.params)[0].dtype == np.float32  # Parameters stay float32.
+  changed = [not np.array_equal(a, np.asarray(b))
+             for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))]
+  assert all(changed)
+
+
+def test_the_abstract_state_is_the_created_state_without_values():
+  mesh = sharding.make_mesh((-1, 1, 1))
+  model = Transformer(tiny_model_config())
+  tx = optax.adam(1e-3)
+  abstract, shardings = train_lib.abstract_train_state(model, tx, mesh, LENGTH, ema=True)
+  state, created_shardings = train_lib.create_train_state(model, tx, 0, mesh, LENGTH, ema=True)
+  assert shardings == created_shardings
+  pairs = list(zip(jax.tree.leaves(abstract), jax.tree.leaves(state)))
+  assert len(pairs) == len(jax.tree.leaves(state)) > 0
+  for a, x in pairs:
+    assert isinstance(a, jax.ShapeDtypeStruct)
+    assert (a.shape, a.dtype, a.sharding) == (x.shape, x.dtype, x.sharding)

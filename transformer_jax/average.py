@@ -23,7 +23,7 @@ import jax
 import ml_collections
 from absl import app, flags, logging
 
-from transformer_jax import checkpoint, config as config_lib, sharding, train_lib
+from transformer_jax import checkpoint, config as config_lib, fs, sharding, train_lib
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.model import Transformer
 
@@ -50,9 +50,11 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
     raise AverageError(f"--last must be at least 1, got {last}")
   if output.exists():
     raise AverageError(f"{output} exists; name a new directory for the averaged workdir")
-  if not (workdir / "config.json").exists():
-    raise AverageError(f"{workdir} holds no config.json: not a training workdir")
-  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  try:
+    config = config_lib.load_saved(workdir)
+  except config_lib.ConfigError as e:
+    raise AverageError(str(e)) from None
+  fs.check_writable(output, "--output")
   tokenizers = Tokenizers.load(workdir)
   if tokenizers is None:
     raise AverageError(f"{workdir} holds no tokenizer (tokenizer.model or vocab.json)")
@@ -72,6 +74,8 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
       both = (state.params, state.ema_params)  # ema_params: None where the run kept none.
       total = both if total is None else jax.tree.map(jax.numpy.add, total, both)
       logging.info("Read the checkpoint of step %d", step)
+  except checkpoint.CheckpointMismatchError as e:
+    raise AverageError(str(e)) from None
   except Exception as e:
     raise AverageError(f"the checkpoint of step {step} in {workdir / 'checkpoints'} cannot be "
                        f"averaged: {checkpoint.first_line(e)}") from None
@@ -105,6 +109,9 @@ def main(argv):
   except AverageError as e:
     logging.get_absl_handler().flush()
     sys.exit(f"error: {e}")
+  except OSError as e:
+    logging.get_absl_handler().flush()
+    sys.exit(f"error: {fs.describe(e)}")
   print(f"Averaged the parameters of steps {steps} of {FLAGS.workdir} into {FLAGS.output} "
         f"(a checkpoint of step {steps[-1]})")
 

@@ -25,6 +25,11 @@ class CheckpointDamagedError(RuntimeError):
   """No checkpoint of a directory could be read back and verified."""
 
 
+class CheckpointMismatchError(ValueError):
+  """A checkpoint that reads back but holds other arrays (names or shapes) than the model it
+  is restored into: the checkpoint is intact, the model (its config or tokenizer) differs."""
+
+
 _WEIGHTS = (np.uint32(2654435761), np.uint32(2246822519))
 
 
@@ -54,6 +59,19 @@ def fingerprint_dict(tree, prefix: str = "") -> dict[str, list[int]]:
   paths = [prefix + jax.tree_util.keystr(p)
            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   return {p: [int(v) for v in np.asarray(f)] for p, f in zip(paths, fingerprints(tree))}
+
+
+def _leaf_name(path) -> str:
+  """A pytree path as orbax names the array: "opt_state.1.0.mu.src_embed.embedding"."""
+  parts = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return ".".join(parts)
 
 
 def first_line(error: Exception) -> str:
@@ -95,6 +113,7 @@ class Checkpointer:
 
     Raises:
       CheckpointDamagedError: every checkpoint is damaged.
+      CheckpointMismatchError: the newest readable checkpoint holds another model's arrays.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     _drop_abandoned_read_errors()
@@ -103,6 +122,8 @@ class Checkpointer:
         state, data = self.restore(step, state_like, state_shardings)
         self.verify(step, state)
         return step, state, data
+      except CheckpointMismatchError:
+        raise  # Intact: another model's. Nothing is renamed.
       except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
         self._report_damaged(step, e)
         self._set_aside(step)
@@ -121,6 +142,7 @@ class Checkpointer:
     self._check_step(step)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_like, state_shardings)
+    self.check_fits(step, target)
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     return restored.state, restored.data
@@ -133,6 +155,7 @@ class Checkpointer:
     Raises:
       CheckpointNotFoundError: there is no checkpoint.
       CheckpointDamagedError: every checkpoint is damaged.
+      CheckpointMismatchError: the newest readable checkpoint holds another model's arrays.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     _drop_abandoned_read_errors()
@@ -141,6 +164,8 @@ class Checkpointer:
     for step in steps:
       try:
         return step, self.restore_params(step, boxed_params_like, mesh, key)
+      except CheckpointMismatchError:
+        raise
       except Exception as e:  # Any failure to read or verify: this checkpoint is unusable.
         self._report_damaged(step, e)
     raise CheckpointDamagedError(f"every checkpoint in {self.directory} is damaged "
@@ -159,11 +184,52 @@ class Checkpointer:
     target = {key: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         nn.meta.unbox(boxed_params_like), shardings)}
+    self.check_fits(step, target)
     restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))
     self.verify(step, restored.state[key], prefix="." + key)
     return restored.state[key]
+
+  def check_fits(self, step: int, target) -> None:
+    """Raises CheckpointMismatchError where the arrays of `target` (the state, or a part of it
+    such as {"params": ...}) are not the checkpoint's: a name missing from either, or another
+    shape. Reads the checkpoint's metadata only; a metadata file that cannot be read raises as
+    any other read failure (damage)."""
+    stored = self._stored_shapes(step)
+    wanted = {_leaf_name(p): tuple(x.shape)
+              for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    parts = {name.split(".")[0] for name in wanted}  # A partial restore compares its parts.
+    stored = {k: v for k, v in stored.items() if k.split(".")[0] in parts}
+    rank = {"params": 0, "ema_params": 1}  # The model's parameters are named first.
+    order = lambda k: (rank.get(k.split(".")[0], 2), k)
+    diffs = [f"{k} is {stored[k]} there, {wanted[k]} in the model"
+             for k in sorted(wanted, key=order) if k in stored and stored[k] != wanted[k]]
+    diffs += [f"{k} is missing there" for k in sorted(set(wanted) - set(stored), key=order)]
+    diffs += [f"{k} is there, not in the model"
+              for k in sorted(set(stored) - set(wanted), key=order)]
+    if not diffs:
+      return
+    embeddings = [k for k in sorted(wanted, key=order) if k.endswith("embedding")
+                  and k in stored and stored[k][0] != wanted[k][0]]
+    if embeddings:  # An embedding's rows are the vocabulary, padded to a multiple of 128.
+      k = embeddings[0]
+      raise CheckpointMismatchError(
+          f"the checkpoint of step {step} in {self.directory} is intact but was trained with "
+          f"another vocabulary: {k} has {stored[k][0]} rows there, {wanted[k][0]} from the "
+          "workdir's tokenizer (sizes padded to a multiple of 128); the tokenizer files are not "
+          "the ones its checkpoints were trained with. Nothing was changed on disk")
+    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+    raise CheckpointMismatchError(
+        f"the checkpoint of step {step} in {self.directory} is intact but holds another "
+        f"model's arrays: {diffs[0]}{more}. Nothing was changed on disk")
+
+  def _stored_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """{leaf name: shape} of a checkpoint's state, from its metadata."""
+    metadata = ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state")
+    tree = getattr(metadata, "tree", metadata)
+    return {_leaf_name(p): tuple(m.shape)
+            for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
   def verify(self, step: int, tree, prefix: str = "") -> None:
     """Raises ValueError where `tree`'s arrays (the state, or its part at `prefix`) differ from

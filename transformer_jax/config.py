@@ -84,15 +84,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
          "model.share_embeddings needs the joint sentencepiece tokenizer")
 
 
-def checked_mesh(config: ml_collections.ConfigDict):
-  """The device mesh of `mesh_shape`, after checking that the devices present make it and
-  that the batch sizes split over its data-parallel axes."""
+def checked_mesh(config: ml_collections.ConfigDict, devices=None):
+  """The device mesh of `mesh_shape` over `devices` (default: all of this run's), after
+  checking that they make it and that the batch sizes split over its data-parallel axes."""
   from transformer_jax import sharding
   import jax
   try:
-    mesh = sharding.make_mesh(config.mesh_shape)
+    mesh = sharding.make_mesh(config.mesh_shape, devices)
   except ValueError as e:
-    raise ConfigError(f"{e} ({jax.default_backend()})") from None
+    platform = devices[0].platform if devices else jax.default_backend()
+    raise ConfigError(f"{e} ({platform})") from None
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
   for field in ("batch_size", "eval_batch_size"):
     _check(config[field] % data_parallel == 0,
@@ -110,25 +111,29 @@ def padded_vocab(size: int, multiple: int = 128) -> int:
   return -(-size // multiple) * multiple
 
 
-def attention_impl(requested: str, dtype: str, head_dim: int) -> str:
+def attention_impl(requested: str, dtype: str, head_dim: int, platform: str | None = None) -> str:
   """`auto` picks cuDNN's fused attention where it applies (an NVIDIA GPU, bfloat16, head dim a
-  multiple of 8 up to 128) and XLA's otherwise."""
+  multiple of 8 up to 128) and XLA's otherwise. `platform`: the one the program is compiled
+  for ("gpu", "tpu", "cpu"); default: this process's backend."""
   if requested != "auto":
     return requested
-  import jax  # Only the backend's name is read.
-  cudnn_ok = (jax.default_backend() == "gpu" and dtype == "bfloat16"
+  if platform is None:
+    import jax  # Only the backend's name is read.
+    platform = jax.default_backend()
+  cudnn_ok = (platform in ("gpu", "cuda") and dtype == "bfloat16"
               and head_dim % 8 == 0 and head_dim <= 128)
   return "cudnn" if cudnn_ok else "xla"
 
 
-def model_config(config: ml_collections.ConfigDict, src_vocab: int,
-                 tgt_vocab: int) -> TransformerConfig:
+def model_config(config: ml_collections.ConfigDict, src_vocab: int, tgt_vocab: int,
+                 platform: str | None = None) -> TransformerConfig:
+  """The frozen model config; `platform` as in attention_impl."""
   fields = {f.name for f in dataclasses.fields(TransformerConfig)}
   kwargs = config.model.to_dict()
   unknown = sorted(set(kwargs) - fields)
   _check(not unknown, f"model.{unknown[0] if unknown else ''} is not a model field")
   kwargs["attention_impl"] = attention_impl(kwargs["attention_impl"], kwargs["dtype"],
-                                            kwargs["d_model"] // kwargs["num_heads"])
+                                            kwargs["d_model"] // kwargs["num_heads"], platform)
   return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
                            tgt_vocab_size=padded_vocab(tgt_vocab), **kwargs)
 
@@ -271,6 +276,24 @@ def _warn_if_the_learning_rates_move(saved_json: str, config: ml_collections.Con
                       for k in names if getattr(before, k) != getattr(after, k))
   logging.warning("%s: the learning rates from the checkpoint of step %d on are not the ones "
                   "the run was following", changed, from_step)
+
+
+def load_saved(workdir: str | Path) -> ml_collections.ConfigDict:
+  """The config a workdir's run was trained with (its config.json).
+
+  Raises:
+    ConfigError: the workdir holds no config.json, or a damaged one.
+  """
+  path = Path(workdir) / "config.json"
+  if not path.is_file():
+    raise ConfigError(f"{workdir} holds no config.json: not a training workdir")
+  try:
+    saved = json.loads(path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path} is damaged ({e}); restore it from a copy") from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f"{path} is damaged (not a JSON object); restore it from a copy")
+  return ml_collections.ConfigDict(saved)
 
 
 def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:

@@ -384,7 +384,9 @@ class Transformer(nn.Module):
 
   def _inputs(self, embed, tokens, positions, deterministic):
     """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + sinusoid, then dropout."""
-    x = embed(tokens) * np.sqrt(self.cfg.d_model)
+    # A Python float is weakly typed: x stays in the compute dtype (a NumPy float64 scalar
+    # would promote bfloat16 to float32, and a scanned stack's carry must keep one dtype).
+    x = embed(tokens) * float(np.sqrt(self.cfg.d_model))
     x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     return self.dropout(x, deterministic=deterministic)

@@ -69,22 +69,38 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                       mesh: Mesh, max_len: int, ema: bool = False) -> tuple[TrainState, Any]:
-  """Initializes the state directly into its shardings; returns (state, state_shardings).
-  `ema`: the state keeps a moving average of the parameters (starting from them)."""
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, max_len: int, ema: bool):
+  """rng -> a new TrainState, its parameters still boxed with their logical axis names."""
   dummy = jnp.ones((1, max_len), jnp.int32)
 
-  def init(rng):  # Parameters still boxed with their logical axis names.
+  def init(rng):
     params_rng, dropout_rng = jax.random.split(rng)
     params = model.init(params_rng, dummy, dummy)["params"]
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng,
                              ema_params=params if ema else None)
+  return init
 
+
+def abstract_train_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                         max_len: int, ema: bool = False) -> tuple[TrainState, Any]:
+  """(state of jax.ShapeDtypeStructs carrying their shardings, state_shardings): the train
+  state's shapes and placement over `mesh`, with nothing allocated or run. The mesh's devices
+  may be compile-only ones (a TPU topology named on a host without TPUs)."""
+  boxed = jax.eval_shape(_init_fn(model, tx, max_len, ema), jax.random.PRNGKey(0))
+  shardings = sharding.logical_shardings(boxed, mesh)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          nn.meta.unbox(boxed), shardings)
+  return abstract, shardings
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
+                       mesh: Mesh, max_len: int, ema: bool = False) -> tuple[TrainState, Any]:
+  """Initializes the state directly into its shardings; returns (state, state_shardings).
+  `ema`: the state keeps a moving average of the parameters (starting from them)."""
+  _, shardings = abstract_train_state(model, tx, mesh, max_len, ema)
+  init = _init_fn(model, tx, max_len, ema)
   # No mesh context here: out_shardings place the state, and flax's DenseGeneral would
   # otherwise constrain its flat [in, out] kernel with the 3-axis names of the reshaped one.
-  abstract = jax.eval_shape(init, jax.random.PRNGKey(seed))
-  shardings = sharding.logical_shardings(abstract, mesh)
   state = jax.jit(lambda rng: nn.meta.unbox(init(rng)),
                   out_shardings=shardings)(jax.random.PRNGKey(seed))
   return state, shardings

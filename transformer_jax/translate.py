@@ -30,7 +30,7 @@ from pathlib import Path
 import tqdm
 from absl import app, flags, logging
 
-from transformer_jax import checkpoint, segment
+from transformer_jax import checkpoint, config as config_lib, fs, segment
 from transformer_jax.metrics import corpus_bleu
 from transformer_jax.generation import DecodeOptions, InferenceError
 from transformer_jax.translator import Translator
@@ -112,14 +112,17 @@ def check_output_path(path: str) -> None:
     raise InferenceError(f"--output {path} is a directory")
   if not p.parent.is_dir():
     raise InferenceError(f"--output {path}: directory {p.parent} does not exist")
+  fs.check_writable(p, "--output")
 
 
 def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
   """(sources, references) of a split of the dataset a workdir was trained on."""
-  import json
   from transformer_jax.data import sources
   from transformer_jax.data.builders import DatasetError
-  config = json.loads((Path(workdir) / "config.json").read_text())
+  try:
+    config = config_lib.load_saved(workdir)
+  except config_lib.ConfigError as e:
+    raise InferenceError(str(e)) from None
   try:
     builder = sources.prepare(config["dataset"], config["tfds_dir"] or os.path.expanduser(
         "~/tensorflow_datasets"), config["data_dir"] or None)
@@ -188,14 +191,15 @@ def main(argv):
     if FLAGS.output:
       check_output_path(FLAGS.output)
     if FLAGS.split:
-      if not (Path(FLAGS.workdir) / "config.json").exists():
-        raise InferenceError(f"{FLAGS.workdir} holds no config.json: not a training workdir")
       lines, references = split_pairs(FLAGS.workdir, FLAGS.split)
     else:
       lines = read_lines(FLAGS.input) if FLAGS.input else sentences
       references = read_lines(FLAGS.reference) if FLAGS.reference else None
     if references is not None and len(references) != len(lines):
       raise InferenceError(f"--reference has {len(references)} lines, --input {len(lines)}")
+    if references is not None and not any(line.strip() for line in lines):
+      raise InferenceError(f"--input {FLAGS.input} holds no sentence: nothing to translate or "
+                           "score")
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema)
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
@@ -221,6 +225,13 @@ def main(argv):
     std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
     logging.get_absl_handler().flush()
     sys.exit(f"error: {e}")
+  except OSError as e:  # --output's disk full or directory gone mid-way.
+    logging.get_absl_handler().flush()
+    sys.exit(f"error: {fs.describe(e)}")
+  except KeyboardInterrupt:
+    logging.get_absl_handler().flush()
+    print("error: interrupted; nothing was written", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

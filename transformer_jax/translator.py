@@ -8,12 +8,10 @@ devices this machine has.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 
@@ -31,10 +29,10 @@ class Translator:
     """`ema`: decode with the parameters' moving average where the run kept one (ema_decay >
     0), else with the parameters themselves."""
     workdir = Path(workdir)
-    config_path = workdir / "config.json"
-    if not config_path.exists():
-      raise InferenceError(f"{workdir} holds no config.json: not a training workdir")
-    self.config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    try:
+      self.config = config_lib.load_saved(workdir)
+    except config_lib.ConfigError as e:
+      raise InferenceError(str(e)) from None
     tokenizers = Tokenizers.load(workdir)
     if tokenizers is None:
       raise InferenceError(f"{workdir} holds no tokenizer (tokenizer.model or vocab.json)")
@@ -55,7 +53,8 @@ class Translator:
       else:
         self.step = step
         self.params = ckpt.restore_params(step, self._abstract_params(), mesh, key)
-    except (checkpoint.CheckpointDamagedError, checkpoint.CheckpointNotFoundError) as e:
+    except (checkpoint.CheckpointDamagedError, checkpoint.CheckpointNotFoundError,
+            checkpoint.CheckpointMismatchError) as e:
       raise InferenceError(str(e)) from None
     finally:
       ckpt.close()

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import checkpoint  # noqa: E402
+from transformer_jax import checkpoint, fs  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
 from transformer_jax.generation import (DecodeOptions, InferenceError,  # noqa: E402
                                         encode_sources, strip)
@@ -101,6 +101,7 @@ def main(argv):
       raise InferenceError(f"--out {FLAGS.out} is a file; it must name a directory")
     if not argv[1].strip():
       raise InferenceError("the sentence is empty")
+    fs.check_writable(FLAGS.out, "--out")
     translator = Translator(FLAGS.workdir, FLAGS.step)
     src_tokens, tgt_tokens, maps = attention_maps(translator, argv[1])
     print("translation:", translator.translate([argv[1]], DecodeOptions(beam_size=1))[0])
@@ -111,6 +112,8 @@ def main(argv):
     # asyncio would print again at exit, after the error line.
     std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
     sys.exit(f"error: {e}")
+  except OSError as e:  # --out cannot be written.
+    sys.exit(f"error: {fs.describe(e)}")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,18 @@ class Selection:
   dropped: int
 
 
+class NoPairsError(ValueError):
+  """A split keeps no pair to train or evaluate on."""
+
+
+def require_pairs(sel: Selection, max_len: int, what: str) -> None:
+  """Raises NoPairsError naming `what` (e.g. "the training split") where `sel` kept none."""
+  if not len(sel.ids):
+    raise NoPairsError(
+        f"{what} leaves no pair to use: all {sel.total} are empty or over max_len={max_len} "
+        "tokens a side (with <eos>); raise max_len, set overlong='truncate' or check the data")
+
+
 def select(cache, max_len: int, overlong: str) -> Selection:
   """Drops empty pairs, and drops or truncates pairs over `max_len` tokens with <eos>."""
   if overlong not in ("drop", "truncate"):
@@ -217,8 +229,7 @@ class TrainBlocks:
   def selection(self) -> Selection:
     if self._selection is None:
       self._selection = select(self.cache, self.max_len, self.overlong)
-      if not len(self._selection.ids):
-        raise ValueError(f"no training pair within max_len={self.max_len}")
+      require_pairs(self._selection, self.max_len, "the training split")
     return self._selection
 
   @property

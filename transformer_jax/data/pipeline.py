@@ -213,6 +213,7 @@ def eval_batches(cache: token_cache.TokenCache, *, batch_size: int, max_len: int
   shapes never change and collectives line up.
   """
   sel = packing.select(cache, max_len, overlong)
+  packing.require_pairs(sel, max_len, "the evaluation split")
   plans = (packing.first_fit(sel.src_len + 1, sel.tgt_len + 1, batch_size, max_len) if pack
            else packing.one_per_row(len(sel.ids), batch_size))
   local = batch_size // process_count

@@ -112,9 +112,29 @@ def build(directory: str | Path, text, tokenizers, tokenizer_fingerprint: str,
   tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
+  start = time.perf_counter()
+  try:
+    done = _write(tmp, text, tokenizers, tokenizer_fingerprint, chunk_size, dtype, num_workers,
+                  start)
+  except BaseException:  # An error or an interruption: no unfinished cache is left behind.
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    tmp.rename(directory)
+  except OSError:  # Another process finished the same cache first.
+    shutil.rmtree(tmp, ignore_errors=True)
+  logging.info("Tokenized %s: %d pairs in %.1f s into %s", text.split, done,
+               time.perf_counter() - start, directory)
+  return TokenCache(directory)
+
+
+def _write(tmp: Path, text, tokenizers, tokenizer_fingerprint: str, chunk_size: int, dtype: str,
+           num_workers: int, start: float) -> int:
+  """Writes the cache's files into `tmp`, meta.json last; returns the number of pairs."""
+  num_chunks = -(-len(text) // chunk_size)
   lengths = {side: [] for side in SIDES}
-  start = last_log = time.perf_counter()
-  done = 0
+  last_log, done = start, 0
   files = {side: open(tmp / f"{side}.tokens", "wb") for side in SIDES}
   try:
     it = workers.ordered_map(0, num_chunks, _EncodeChunk(text, tokenizers, chunk_size, dtype),
@@ -140,11 +160,4 @@ def build(directory: str | Path, text, tokenizers, tokenizer_fingerprint: str,
   meta = {"num_pairs": done, "dtype": dtype, "tokenizer": tokenizer_fingerprint,
           "split": text.split}
   (tmp / "meta.json").write_text(json.dumps(meta))
-  directory.parent.mkdir(parents=True, exist_ok=True)
-  try:
-    tmp.rename(directory)
-  except OSError:  # Another process finished the same cache first.
-    shutil.rmtree(tmp, ignore_errors=True)
-  logging.info("Tokenized %s: %d pairs in %.1f s into %s", text.split, done,
-               time.perf_counter() - start, directory)
-  return TokenCache(directory)
+  return done

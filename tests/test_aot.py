@@ -1,0 +1,141 @@
+"""Ahead-of-time compilation for TPU topologies and GPU targets on this CPU host, with the real
+compiler plugins (libtpu, jax's CUDA plugin), installed once into their own directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from transformer_jax import aot
+
+# The smoke config at d_model 128 without dropout: at d_model 32 elementwise work and dropout's
+# random bits (which XLA counts as FLOPs) are a large share of the step, and the comparison
+# with the analytic count (matrix products and attention only) would measure them instead.
+FLOP_CHECK = ["--config.model.d_model=128", "--config.model.ffn_dim=512",
+              "--config.model.dropout_rate=0.0"]
+
+
+@pytest.fixture(scope="module")
+def plugins():
+  """The pinned compiler plugins, installed by the command's own --install_plugins."""
+  directory = aot.plugins_dir()
+  if not (directory / "libtpu").is_dir() or not (directory / "jax_plugins").is_dir():
+    subprocess.run([sys.executable, "-m", "transformer_jax.aot", "--install_plugins"],
+                   cwd=ROOT, check=True, timeout=1800)
+  return directory
+
+
+def _aot(plugins, *args, json_path=None):
+  env = dict(os.environ, **{aot.PLUGINS_ENV: str(plugins)})
+  env.pop("JAX_PLATFORMS", None)  # The command sets its own.
+  extra = ["--json", str(json_path)] if json_path else []
+  result = subprocess.run([sys.executable, "-m", "transformer_jax.aot",
+                           "--config", "configs/fra_eng.py:smoke", *args, *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  report = json.loads(json_path.read_text()) if json_path and json_path.exists() else None
+  return result, report
+
+
+def _error_line(result):
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and result.stderr.strip().splitlines()[-1] == lines[0], result.stderr
+  return lines[0]
+
+
+def test_the_smoke_config_compiles_for_a_tpu_topology(plugins, tmp_path):
+  result, report = _aot(plugins, "--topology", "v5e:2x2", *FLOP_CHECK,
+                        json_path=tmp_path / "v5e.json")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert report["platform"] == "tpu" and report["num_devices"] == 4 and report["fits"]
+  assert report["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert set(report["programs"]) == {"train", "eval", "decode"}
+  train, evaluate = report["programs"]["train"], report["programs"]["eval"]
+  for program in (train, evaluate):
+    assert 0.9 <= program["xla_over_analytic"] <= 1.1, program
+    assert 0 < program["total_bytes"] <= report["hbm_bytes_per_device"]
+  # Data parallelism: the gradients are summed over the 4 devices.
+  assert train["collectives"]["all-reduce"]["count"] >= 1
+  assert train["collectives"]["all-reduce"]["bytes"] >= report["params_bytes_per_device"]
+  # The state is donated: its buffers are the outputs' too.
+  assert train["alias_size_in_bytes"] >= (report["params_bytes_per_device"]
+                                          + report["opt_state_bytes_per_device"])
+  assert "train: args" in result.stdout and "fits" in result.stdout
+
+
+def test_the_smoke_config_compiles_for_h100(plugins, tmp_path):
+  result, report = _aot(plugins, "--topology", "h100:2", "--programs", "train,decode",
+                        json_path=tmp_path / "h100.json")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert report["platform"] == "gpu" and report["num_devices"] == 2 and report["fits"]
+  assert report["hbm_bytes_per_device"] == 84942979072  # From the H100 target spec.
+  assert report["programs"]["train"]["temp_size_in_bytes"] > 0
+  assert report["programs"]["train"]["collectives"]["all-reduce"]["count"] >= 1
+
+
+def test_fsdp_splits_parameters_and_optimizer_state(plugins, tmp_path):
+  reports = {}
+  for mesh in ("(4,1,1)", "(1,4,1)"):
+    result, reports[mesh] = _aot(plugins, "--topology", "v5e:2x2", "--programs", "train",
+                                 f"--config.mesh_shape={mesh}", json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+  data, fsdp = reports["(4,1,1)"], reports["(1,4,1)"]
+  for key in ("params_bytes_per_device", "opt_state_bytes_per_device"):
+    assert fsdp[key] == pytest.approx(data[key] / 4, rel=0.05), key
+  # The compiled program's arguments (state and batch) shrink with them.
+  state = data["params_bytes_per_device"] + data["opt_state_bytes_per_device"]
+  saved = (data["programs"]["train"]["argument_size_in_bytes"]
+           - fsdp["programs"]["train"]["argument_size_in_bytes"])
+  assert saved == pytest.approx(state * 3 / 4, rel=0.05)
+  # FSDP gathers parameters and scatters gradients.
+  assert {"all-gather", "reduce-scatter"} <= set(fsdp["programs"]["train"]["collectives"])
+
+
+def test_a_batch_that_does_not_fit_is_a_verdict_and_a_nonzero_exit(plugins, tmp_path):
+  # 262,144 rows x 32 positions x 512 logits in float32 alone are 16 GiB a v5e chip lacks.
+  result, report = _aot(plugins, "--topology", "v5e:2x2", "--programs", "train",
+                        "--config.batch_size=262144", json_path=tmp_path / "big.json")
+  assert result.returncode == 3
+  assert _error_line(result) == "error: train does not fit in v5e's 16.00 GiB per device"
+  assert report["fits"] is False and report["programs"]["train"]["fits"] is False
+  assert "DOES NOT FIT" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--topology", "v9:2x2"], "error: --topology 'v9:2x2' is not a known target"),
+    (["--topology", "v5e:2x2", "--config.mesh_shape=(8,1,1)"],
+     "error: v5e:2x2 (4 devices): mesh_shape (8, 1, 1) needs 8 devices, found 4 (tpu)"),
+    (["--topology", "v5e:2x2", "--config.batch_size=6"],
+     "error: v5e:2x2 (4 devices): batch_size=6 does not split over the mesh's 4 data-parallel "
+     "devices"),
+])
+def test_bad_targets_are_one_line(plugins, args, message):
+  result, _ = _aot(plugins, *args)
+  assert result.returncode == 1
+  assert _error_line(result).startswith(message)
+
+
+def test_missing_plugins_name_the_install_command(tmp_path):
+  result, _ = _aot(tmp_path / "no-plugins", "--topology", "v5e:2x2")
+  assert result.returncode == 1
+  line = _error_line(result)
+  assert line.startswith("error: compiling for v5e:2x2 needs the TPU compiler plugin")
+  assert f"--target {tmp_path / 'no-plugins'} libtpu==" in line
+
+
+def test_collectives_are_counted_from_hlo_text():
+  hlo = "\n".join([
+      "  %all-reduce.1 = f32[128,64]{1,0} all-reduce(f32[128,64]{1,0} %p), replica_groups={}",
+      "  %ag = (bf16[8,16]{1,0}, bf16[32,16]{1,0}) all-gather-start(bf16[8,16]{1,0} %x)",
+      "  %agd = bf16[32,16]{1,0} all-gather-done((bf16[8,16]{1,0}, bf16[32,16]{1,0}) %ag)",
+      "  %ars = (f32[10]{0}, s32[3]{0}) all-reduce-start(f32[10]{0} %a, s32[3]{0} %b)",
+      "  %add = f32[128,64]{1,0} add(f32[128,64]{1,0} %x, f32[128,64]{1,0} %y)",
+  ])
+  assert aot.collectives(hlo) == {
+      "all-reduce": {"count": 2, "bytes": 128 * 64 * 4 + 10 * 4 + 3 * 4},
+      "all-gather": {"count": 1, "bytes": 32 * 16 * 2}}

@@ -1,0 +1,200 @@
+"""Mistakes a new user makes: each ends in one `error:` line (no traceback), with an exit status
+that says so, and changes nothing that was intact (checkpoints are never renamed for a mismatch)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+from tests.conftest import DATA, ROOT
+from transformer_jax import config as config_lib
+from transformer_jax.data import pipeline
+from transformer_jax.data.packing import NoPairsError
+
+
+def _run(*args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def _one_error_line(result, returncode=1) -> str:
+  """The error line of a command that failed as a user-facing error; checks the rest."""
+  assert result.returncode == returncode, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == errors[0]
+  return errors[0]
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+  """{relative path: sha256} of every file under `directory` (names and bytes)."""
+  return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _train_args(config, workdir):
+  """train.py's command line for the `trained` fixture's run."""
+  return ["train.py", "--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
+          f"--config.data_dir={config.data_dir}", f"--config.tfds_dir={config.tfds_dir}",
+          f"--config.compilation_cache_dir={config.compilation_cache_dir}",
+          "--config.num_bleu_sentences=0", "--config.num_workers=0",
+          f"--config.ema_decay={config.ema_decay}"]
+
+
+def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp_path):
+  config, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  # The tokenizer a run with another vocabulary size fits on the same data.
+  other = config.copy_and_resolve_references()
+  other.vocab_size = 1000
+  pipeline.prepare(config_lib.data_config(other), tmp_path / "other")
+  shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
+  before = _tree_digest(workdir / "checkpoints")
+
+  expected = (f"error: the checkpoint of step 20 in {workdir / 'checkpoints'} is intact but was "
+              "trained with another vocabulary: params.src_embed.embedding has 512 rows there, "
+              "1024 from the workdir's tokenizer")
+  line = _one_error_line(_run(*_train_args(config, workdir)))
+  assert line.startswith(expected) and line.endswith("Nothing was changed on disk"), line
+  assert _tree_digest(workdir / "checkpoints") == before
+
+  # The run kept a moving average: translate restores it (ema_params) in place of params.
+  translate = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.")
+  assert _one_error_line(translate).startswith(expected.replace("params.", "ema_params."))
+  assert translate.stdout == ""
+  average = _run("-m", "transformer_jax.average", "--workdir", str(workdir), "--last", "2",
+                 "--output", str(tmp_path / "avg"))
+  assert _one_error_line(average).startswith(
+      f"error: the checkpoint of step 10 in {workdir / 'checkpoints'} is intact but was trained "
+      "with another vocabulary")
+  assert not (tmp_path / "avg").exists() and not (tmp_path / "avg.tmp").exists()
+  assert _tree_digest(workdir / "checkpoints") == before
+
+
+def test_translate_with_a_damaged_config_json_is_one_line(trained, tmp_path):
+  _, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  (workdir / "config.json").write_text('{"model": ')
+  result = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.")
+  assert _one_error_line(result).startswith(
+      f"error: {workdir / 'config.json'} is damaged (Expecting value")
+  result = _run("-m", "transformer_jax.average", "--workdir", str(workdir), "--output",
+                str(tmp_path / "avg"))
+  assert _one_error_line(result).startswith(f"error: {workdir / 'config.json'} is damaged")
+
+
+def test_an_empty_input_with_a_reference_is_one_line(trained, tmp_path):
+  _, workdir = trained
+  (tmp_path / "empty.txt").write_text("")
+  (tmp_path / "blank.txt").write_text("\n  \n")
+  for name in ("empty.txt", "blank.txt"):
+    path = tmp_path / name
+    result = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "--input",
+                  str(path), "--reference", str(path), "--output", str(tmp_path / "out.txt"))
+    assert _one_error_line(result) == (
+        f"error: --input {path} holds no sentence: nothing to translate or score")
+    assert not (tmp_path / "out.txt").exists()
+
+
+def _long_pairs_tsv(path: Path, n: int, words: int) -> None:
+  path.write_text("".join(f"{' '.join(['word'] * words)} {i}\t"
+                          f"{' '.join(['mot'] * words)} {i}\n" for i in range(n)))
+
+
+def test_a_corpus_that_leaves_nothing_to_train_on_is_one_line(tmp_path, cache_dir):
+  data = tmp_path / "data"
+  data.mkdir()
+  _long_pairs_tsv(data / "train.tsv", 300, words=80)  # Every pair over max_len=32.
+  _long_pairs_tsv(data / "validation.tsv", 20, words=3)
+  workdir = tmp_path / "w"
+  result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
+                "--config.dataset=parallel_tsv", f"--config.data_dir={data}",
+                f"--config.tfds_dir={tmp_path / 'tfds'}", "--config.num_workers=0",
+                "--config.train_split=train", "--config.eval_split=validation",
+                f"--config.compilation_cache_dir={cache_dir}")
+  assert _one_error_line(result) == (
+      "error: the training split leaves no pair to use: all 300 are empty or over max_len=32 "
+      "tokens a side (with <eos>); raise max_len, set overlong='truncate' or check the data")
+  assert not (workdir / "checkpoints").exists()
+
+
+def test_an_evaluation_split_that_keeps_no_pair_fails_before_training(smoke_config, tmp_path):
+  data = tmp_path / "data"
+  data.mkdir()
+  _long_pairs_tsv(data / "train.tsv", 300, words=3)
+  _long_pairs_tsv(data / "validation.tsv", 20, words=80)
+  smoke_config.update(dataset="parallel_tsv", data_dir=str(data), tfds_dir=str(tmp_path / "t"),
+                      train_split="train", eval_split="validation", num_workers="0",
+                      num_bleu_sentences=0)
+  with pytest.raises(NoPairsError, match=r"^the evaluation split leaves no pair to use: all 20"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w" / "checkpoints").exists()
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on(tmp_path,
+                                                                               cache_dir):
+  workdir, tfds = tmp_path / "w", tmp_path / "tfds"
+  command = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
+             "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
+             f"--config.tfds_dir={tfds}", f"--config.compilation_cache_dir={cache_dir}",
+             "--config.num_workers=0", "--config.num_bleu_sentences=0"]
+  proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if "Generating dataset fra_eng" in line:  # tfds has begun writing the dataset.
+      proc.send_signal(signal.SIGINT)
+      break
+  else:
+    raise AssertionError("".join(seen[-20:]))
+  rest = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 130, rest[-3000:]
+  assert "Traceback" not in rest
+  assert rest.strip().splitlines()[-1] == (
+      "error: interrupted before training started; nothing was saved. Run the same command to "
+      "start again")
+  assert not (workdir / "checkpoints").exists()
+  leftovers = [p for p in tfds.rglob("*") if ".tmp-" in p.name]
+  assert not leftovers  # No unfinished token cache.
+  again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "20"]
+
+
+def test_a_workdir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
+  # /sys takes no new file, not even from root (the tests may run as root, who passes chmod).
+  result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
+                "/sys/transformer_jax_run", f"--config.data_dir={DATA / 'fra-eng'}",
+                f"--config.tfds_dir={tmp_path / 'tfds'}")
+  assert _one_error_line(result) == (
+      "error: --workdir /sys/transformer_jax_run cannot be written: Permission denied (in /sys)")
+  assert not (tmp_path / "tfds").exists()  # Refused before the dataset is prepared.
+  file = tmp_path / "file"
+  file.write_text("x")
+  result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
+                str(file / "run"), f"--config.data_dir={DATA / 'fra-eng'}",
+                f"--config.tfds_dir={tmp_path / 'tfds'}")
+  assert _one_error_line(result) == (
+      f"error: --workdir {file / 'run'} cannot be created: {file} is a file")
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_translating(trained):
+  _, workdir = trained
+  result = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.",
+                "--output", "/sys/transformer_jax_out.txt")
+  assert _one_error_line(result) == ("error: --output /sys/transformer_jax_out.txt cannot be "
+                                     "written: Permission denied (in /sys)")

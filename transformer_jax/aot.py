@@ -1,0 +1,407 @@
+"""Compiles train.py's programs ahead of time for a named TPU topology or GPU target, on a host
+that has neither, and reports what they need of each chip.
+
+  python -m transformer_jax.aot --config configs/wmt14_base.py --topology v5e:2x4
+  python -m transformer_jax.aot --config configs/wmt14_big.py --topology h100:8 \\
+      --config.mesh_shape="(2,4,1)" --json OUT/big_h100.json
+
+The programs are the ones train.py runs, built by the same library calls: the train state's
+shapes and shardings (`train_lib.abstract_train_state`), the jitted train and eval steps with
+their donation and step config (`train_lib.jit_steps`), and the beam-search decoder of
+translate. No device, no data and no tokenizer is needed: the vocabulary is the config's
+`vocab_size` (the joint SentencePiece model has exactly that many pieces).
+
+Per program and device it reports arguments, outputs, temporaries and their total against the
+chip's memory, with a verdict; the FLOPs XLA counts against the analytic count of
+`flops.model_flops`; and the collectives of the compiled program (kind, count, bytes). The exit
+status is 0 when every program fits, 3 when one does not, 1 on bad input.
+
+The compilers come from plugins that a TPU or GPU host would have: libtpu, and jax's CUDA
+plugin. They are looked for in the Python path and in the directory `--plugins` (default
+$TRANSFORMER_JAX_AOT_PLUGINS, else ~/.cache/transformer_jax/aot-plugins), where
+`python -m transformer_jax.aot --install_plugins` puts the versions pinned for this jaxlib:
+kept apart from the environment, they do not slow or clutter every other jax process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PLUGINS_ENV = "TRANSFORMER_JAX_AOT_PLUGINS"
+DEFAULT_PLUGINS = Path.home() / ".cache" / "transformer_jax" / "aot-plugins"
+# The compiler plugins that match each jaxlib release (a plugin of another release refuses to
+# load, or miscompiles).
+PINNED_PLUGINS = {
+    "0.10.2": {"tpu": ["libtpu==0.0.42.1"],
+               "gpu": ["jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"]},
+}
+
+GIB = 2 ** 30
+# Per chip: HBM bytes and dense bfloat16 peak FLOP/s (vendor data sheets). TPU topology names
+# are jax's ("v5e:2x4"); GPU targets read their memory from the target spec.
+TPU_CHIPS = {"v4": (32 * GIB, 275e12), "v5e": (16 * GIB, 197e12), "v5p": (95 * GIB, 459e12),
+             "v6e": (32 * GIB, 918e12)}
+GPU_CHIPS = {"h100": ("h100_sxm.txtpb", "h100", 989e12), "a100": ("a100_sxm_80.txtpb", "a100",
+                                                                   312e12)}
+SPECS = Path(__file__).resolve().parent / "gpu_specs"
+PROGRAMS = ("train", "eval", "decode")
+
+
+class AotError(ValueError):
+  """A topology, mesh, batch or installation the compile cannot go on with."""
+
+
+def prepare_environment() -> None:
+  """Before jax starts: the host runs on its CPU (the TPU and GPU compilers are reached only
+  through the topology API), and libtpu does not look for a TPU VM's metadata server."""
+  for key, value in (("TF_CPP_MIN_LOG_LEVEL", "2"), ("JAX_PLATFORMS", "cpu"),
+                     ("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                     ("TPU_ACCELERATOR_TYPE", "v5litepod-8")):
+    os.environ.setdefault(key, value)
+
+
+def plugins_dir(flag: str | None = None) -> Path:
+  return Path(flag or os.environ.get(PLUGINS_ENV) or DEFAULT_PLUGINS)
+
+
+def use_plugins(directory: Path) -> None:
+  """Puts the plugin directory on the import path (jax finds `jax_plugins.*` and `libtpu`
+  there when it first looks for backends)."""
+  if directory.is_dir() and str(directory) not in sys.path:
+    sys.path.insert(0, str(directory))
+
+
+def install_command(platform: str, directory: Path) -> str:
+  import jaxlib
+  pins = PINNED_PLUGINS.get(jaxlib.__version__)
+  if pins is None:
+    raise AotError(f"no compiler plugins are pinned for jaxlib {jaxlib.__version__} (known: "
+                   f"{sorted(PINNED_PLUGINS)}); add them to PINNED_PLUGINS in {__file__}")
+  packages = pins["tpu"] + pins["gpu"] if platform == "all" else pins[platform]
+  return (f"{sys.executable} -m pip install --no-deps --target {directory} "
+          + " ".join(packages))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A named TPU topology or GPU target: `v5e:2x4`, `v4:2x2x2`, `h100:8`, `h100:2x8`."""
+  name: str
+  platform: str  # "tpu" or "gpu"
+  chip: str
+  hbm_bytes: int
+  peak_flops: float
+  num_slices: int = 1
+
+  @staticmethod
+  def parse(name: str, num_slices: int = 1) -> "Target":
+    chip, _, shape = name.partition(":")
+    chip = chip.lower()
+    if chip in TPU_CHIPS and re.fullmatch(r"\d+(x\d+){1,2}", shape):
+      hbm, peak = TPU_CHIPS[chip]
+      return Target(name, "tpu", chip, hbm, peak, num_slices)
+    if chip in GPU_CHIPS and re.fullmatch(r"\d+(x\d+)?", shape):
+      spec, _, peak = GPU_CHIPS[chip]
+      memory = re.search(r"device_memory_size:\s*(\d+)", (SPECS / spec).read_text())
+      return Target(name, "gpu", chip, int(memory.group(1)), peak, num_slices)
+    raise AotError(
+        f"--topology {name!r} is not a known target: a TPU topology "
+        f"({', '.join(sorted(TPU_CHIPS))} with a chip grid, e.g. v5e:2x4, v4:2x2x2) or a GPU "
+        f"target ({', '.join(sorted(GPU_CHIPS))} with a GPU count, hosts x GPUs, e.g. h100:8, "
+        "h100:2x8)")
+
+  def devices(self) -> list:
+    """The target's compile-only devices."""
+    from jax.experimental import topologies
+    try:
+      if self.platform == "tpu":
+        # A v4 chip has two TensorCores; "megacore" makes them one device, as jax runs v4.
+        extra = {"chip_config_name": "megacore"} if self.chip == "v4" else {}
+        topology = topologies.get_topology_desc(topology_name=self.name, platform="tpu",
+                                                num_slices=self.num_slices, **extra)
+      else:
+        spec_file, xla_name, _ = GPU_CHIPS[self.chip]
+        hosts, _, per_host = self.name.partition(":")[2].rpartition("x")
+        topology = topologies.get_topology_desc(
+            topology_name=xla_name, platform="cuda", target_config=(SPECS / spec_file).read_text(),
+            topology=f"1x{hosts or 1}x{per_host}")
+    except Exception as e:  # jax/XLA raise several kinds; each means the same to the user.
+      text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      if any(s in text for s in ("libtpu", "Unknown backend", "not found", "xla_cuda",
+                                 "not installed", "Unable to initialize backend", "cuda")):
+        raise AotError(f"compiling for {self.name} needs the {self.platform.upper()} compiler "
+                       f"plugin ({text}); install it with: "
+                       f"{install_command(self.platform, plugins_dir())}") from None
+      raise AotError(f"--topology {self.name}: {text}") from None
+    return list(topology.devices)
+
+
+def _abstract_batch(rows: int, max_len: int, mesh):
+  import jax
+  import jax.numpy as jnp
+  from transformer_jax import sharding
+  from transformer_jax.data.packing import FEATURES
+  spec = jax.ShapeDtypeStruct((rows, max_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
+  return {k: spec for k in FEATURES}
+
+
+def _per_device_bytes(tree) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
+  import jax
+  import numpy as np
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
+  return total
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast)(-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """{kind: {"count", "bytes"}} of the collectives in an optimized HLO module, bytes being each
+  one's result (for an async start, the arrays it produces). An op inside a loop body (a
+  scanned layer stack, gradient accumulation) is counted once, not once per iteration."""
+  out: dict[str, dict[str, int]] = {}
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE.search(line)
+    if not match:
+      continue
+    result_type, kind, start = match.groups()
+    arrays = [(dt, dims) for dt, dims in _ARRAY.findall(result_type) if dt in _DTYPE_BYTES]
+    if start and kind in ("all-gather", "collective-permute") and len(arrays) >= 2:
+      arrays = arrays[len(arrays) // 2:]  # (operands, results): the results.
+    size = 0
+    for dt, dims in arrays:
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      size += n * _DTYPE_BYTES[dt]
+    entry = out.setdefault(kind, {"count": 0, "bytes": 0})
+    entry["count"] += 1
+    entry["bytes"] += size
+  return out
+
+
+def _memory(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "temp_size_in_bytes", "generated_code_size_in_bytes")
+  mem = {f: int(getattr(m, f, 0) or 0) for f in fields}
+  # Donated arguments alias outputs: their bytes are counted once.
+  mem["total_bytes"] = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"]
+                        - mem["alias_size_in_bytes"] + mem["temp_size_in_bytes"])
+  return mem
+
+
+def _xla_flops(compiled) -> float | None:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  flops = cost.get("flops") if cost else None
+  return float(flops) if flops and flops > 0 else None
+
+
+_OOM = re.compile(r"(Ran out of memory|RESOURCE_EXHAUSTED)")
+
+
+def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4,
+                   progress=print) -> dict:
+  """Compiles `programs` of `config` for `target`; returns the report (JSON-ready)."""
+  import jax
+  import numpy as np
+  from transformer_jax import config as config_lib, flops as flops_lib, sharding, train_lib
+  from transformer_jax.model import Transformer
+
+  config_lib.validate(config)
+  devices = target.devices()
+  try:
+    mesh = config_lib.checked_mesh(config, devices)
+  except config_lib.ConfigError as e:
+    raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
+  vocab = int(config.vocab_size)
+  model_cfg = config_lib.model_config(config, vocab, vocab, platform=target.platform)
+  model = Transformer(model_cfg)
+  tx = train_lib.make_optimizer(config_lib.optimizer_config(config))
+  state, state_shardings = train_lib.abstract_train_state(
+      model, tx, mesh, config.max_len, ema=config.ema_decay > 0)
+  step_cfg = config_lib.step_config(config)
+  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, step_cfg)
+  n = len(devices)
+  report = {
+      "target": target.name, "platform": target.platform, "chip": target.chip,
+      "num_devices": n, "num_slices": target.num_slices,
+      "hbm_bytes_per_device": target.hbm_bytes,
+      "mesh": dict(zip(sharding.MESH_AXES, (int(s) for s in mesh.devices.shape))),
+      "batch_size": int(config.batch_size), "max_len": int(config.max_len),
+      "grad_accum_steps": int(config.grad_accum_steps), "loss_chunks": int(config.loss_chunks),
+      "vocab_size": vocab, "dtype": model_cfg.dtype, "attention_impl": model_cfg.attention_impl,
+      "scan_layers": model_cfg.scan_layers, "remat": model_cfg.remat,
+      "params_bytes_per_device": _per_device_bytes(state.params),
+      "opt_state_bytes_per_device": _per_device_bytes(state.opt_state),
+      "jax": jax.__version__, "programs": {},
+  }
+  full = lambda rows: np.full(rows, config.max_len)  # Every row one sentence of max_len.
+
+  def lowered(name):
+    with sharding.mesh_context(mesh):
+      if name == "train":
+        return p_train.lower(state, _abstract_batch(config.batch_size, config.max_len, mesh))
+      if name == "eval":
+        return p_eval.lower(state, _abstract_batch(config.eval_batch_size, config.max_len, mesh))
+      return _decoder(model, state.params, state_shardings.params, mesh, config.eval_batch_size,
+                      config.max_len, beam_size).lower(
+          state.params, _abstract_batch(config.eval_batch_size, config.max_len, mesh)["inputs"])
+
+  analytic = {"train": flops_lib.model_flops(model_cfg, full(config.batch_size),
+                                             full(config.batch_size)),
+              "eval": flops_lib.model_flops(model_cfg, full(config.eval_batch_size),
+                                            full(config.eval_batch_size)) / 3.0,
+              "decode": None}  # Beam search's count depends on when beams finish.
+  for name in programs:
+    progress(f"compiling {name} for {target.name} ...")
+    start = time.perf_counter()
+    entry = {}
+    try:
+      compiled = lowered(name).compile()
+    except Exception as e:  # XLA raises XlaRuntimeError (or ValueError) with the status text.
+      text = str(e)
+      if not _OOM.search(text):
+        raise
+      entry.update(fits=False, error=" ".join(text.split())[:500])
+    else:
+      entry.update(_memory(compiled))
+      entry["fits"] = entry["total_bytes"] <= target.hbm_bytes
+      entry["xla_flops_per_device"] = _xla_flops(compiled)
+      entry["collectives"] = collectives(compiled.as_text())
+    entry["compile_seconds"] = round(time.perf_counter() - start, 1)
+    if analytic[name] is not None:
+      entry["analytic_flops_per_device"] = analytic[name] / n
+      if entry.get("xla_flops_per_device"):
+        entry["xla_over_analytic"] = entry["xla_flops_per_device"] / entry[
+            "analytic_flops_per_device"]
+    report["programs"][name] = entry
+  report["fits"] = all(p["fits"] for p in report["programs"].values())
+  return report
+
+
+def _decoder(model, params, param_shardings, mesh, rows: int, max_len: int, beam_size: int):
+  """translate's decoder (generation.generate) jitted over `mesh`: source rows split over the
+  data-parallel devices, parameters placed as in training."""
+  import jax
+  from transformer_jax import sharding
+  from transformer_jax.generation import generate
+  del params
+  return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size),
+                 in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.batch_sharding(mesh))
+
+
+def _size(n: int) -> str:
+  return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.2f} MiB"
+
+
+def format_report(report: dict) -> str:
+  """The report as a few lines of text."""
+  mesh = "x".join(str(v) for v in report["mesh"].values())
+  lines = [f"{report['target']}: {report['num_devices']} x {report['chip']} "
+           f"({_size(report['hbm_bytes_per_device'])} each), mesh data x fsdp x tensor = "
+           f"{mesh}, batch {report['batch_size']} x {report['max_len']}, {report['dtype']}, "
+           f"attention {report['attention_impl']}",
+           f"  per device: parameters {_size(report['params_bytes_per_device'])}, optimizer "
+           f"state {_size(report['opt_state_bytes_per_device'])}"]
+  for name, p in report["programs"].items():
+    if "error" in p:
+      lines.append(f"  {name}: DOES NOT FIT: {p['error'][:300]}")
+      continue
+    verdict = ("fits" if p["fits"] else
+               f"DOES NOT FIT by {_size(p['total_bytes'] - report['hbm_bytes_per_device'])}")
+    flops = ""
+    if p.get("xla_flops_per_device"):
+      flops = f"; XLA {p['xla_flops_per_device'] / 1e9:,.2f} GFLOP/device"
+      if p.get("analytic_flops_per_device"):
+        flops += (f" vs analytic {p['analytic_flops_per_device'] / 1e9:,.2f} "
+                  f"({p['xla_over_analytic']:.3f}x)")
+    elif p.get("analytic_flops_per_device"):
+      flops = (f"; analytic {p['analytic_flops_per_device'] / 1e9:,.2f} GFLOP/device "
+               "(XLA gives no count for this target)")
+    coll = ", ".join(f"{k} {v['count']} ({_size(v['bytes'])})"
+                     for k, v in sorted(p["collectives"].items())) or "none"
+    lines.append(f"  {name}: args {_size(p['argument_size_in_bytes'])} + outputs "
+                 f"{_size(p['output_size_in_bytes'])} - aliased {_size(p['alias_size_in_bytes'])}"
+                 f" + temps {_size(p['temp_size_in_bytes'])} = {_size(p['total_bytes'])}: "
+                 f"{verdict}{flops}; collectives: {coll}; compiled in {p['compile_seconds']} s")
+  return "\n".join(lines)
+
+
+def main(argv):
+  from absl import flags
+  from transformer_jax import config as config_lib
+  F = flags.FLAGS
+  try:
+    if len(argv) > 1:
+      raise AotError(f"unexpected arguments {argv[1:]}")
+    if F.install_plugins:
+      command = install_command("all", plugins_dir(F.plugins))
+      print(command)
+      sys.exit(subprocess.call(command.split()))
+    if F.config is None or not F.topology:
+      raise AotError("--config and --topology are required")
+    programs = [p.strip() for p in F.programs.split(",") if p.strip()]
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown or not programs:
+      raise AotError(f"--programs {F.programs!r}: choose from {', '.join(PROGRAMS)}")
+    if F.json:
+      from transformer_jax import fs
+      fs.check_writable(F.json, "--json")
+    target = Target.parse(F.topology, F.num_slices)
+    report = compile_report(F.config, target, programs,
+                            progress=lambda s: print(s, file=sys.stderr, flush=True))
+  except (AotError, config_lib.ConfigError, OSError) as e:
+    sys.exit(f"error: {e}")
+  report["config"] = F["config"].value if hasattr(F["config"], "value") else None
+  print(format_report(report))
+  if F.json:
+    Path(F.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+  if not report["fits"]:
+    too_big = [k for k, p in report["programs"].items() if not p["fits"]]
+    print(f"error: {', '.join(too_big)} does not fit in {report['chip']}'s "
+          f"{report['hbm_bytes_per_device'] / GIB:.2f} GiB per device", file=sys.stderr)
+    sys.exit(3)
+
+
+def define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+  flags.DEFINE_string("topology", None, "Target: a TPU topology (v5e:2x4, v4:2x2x2, v5p:2x2x2) "
+                      "or GPUs (h100:8, a100:8, h100:2x8 for 2 hosts of 8).")
+  flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice), each of --topology.")
+  flags.DEFINE_string("programs", ",".join(PROGRAMS), "Which programs to compile.")
+  flags.DEFINE_string("json", None, "Write the report here as JSON.")
+  flags.DEFINE_string("plugins", None, f"Directory of the compiler plugins (default: ${PLUGINS_ENV}"
+                      f" or {DEFAULT_PLUGINS}).")
+  flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
+                    "--plugins and exit.")
+
+
+if __name__ == "__main__":
+  from absl import app
+  from transformer_jax import launch
+  prepare_environment()
+  define_flags()
+  _plugins_flag = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--plugins=")), None)
+  use_plugins(plugins_dir(_plugins_flag))
+  app.run(main, flags_parser=launch.parse_flags)

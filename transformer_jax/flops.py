@@ -1,0 +1,37 @@
+"""The model's FLOPs counted from its shapes (the analytic count that utilisation figures and
+the ahead-of-time report compare with)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from transformer_jax.model import TransformerConfig
+
+
+def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarray) -> float:
+  """Training FLOPs (forward + backward = 3 x forward) of one batch.
+
+  src_lens, tgt_lens: [B] lengths attended over (one sentence a row; for packed rows pass the
+  per-sentence lengths of every sentence). Multiply-adds count 2 FLOPs.
+  """
+  d, f, v = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
+  s, t = src_lens.astype(np.float64), tgt_lens.astype(np.float64)
+  enc = cfg.num_encoder_layers * (
+      (8 * d * d + 4 * d * f) * s.sum()  # Q, K, V, O projections and the FFN
+      + 4 * d * (s * s).sum())  # scores and weighted values over all S keys
+  dec = cfg.num_decoder_layers * (
+      (8 * d * d + 4 * d * d + 4 * d * f) * t.sum()  # self Q,K,V,O; cross Q,O; FFN
+      + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
+      + 2 * d * (t * t).sum()  # causal self-attention: half the T x T scores
+      + 4 * d * (t * s).sum())  # cross-attention scores and values
+  out = 2 * d * v * t.sum()  # vocabulary projection
+  return 3.0 * (enc + dec + out)
+
+
+def segment_lengths(segment_ids: np.ndarray) -> np.ndarray:
+  """All sentences' lengths in a [B, L] batch of segment ids (0 = padding)."""
+  lens = []
+  for row in segment_ids:
+    ids, counts = np.unique(row[row > 0], return_counts=True)
+    lens.extend(counts.tolist())
+  return np.array(lens)

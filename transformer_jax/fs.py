@@ -1,0 +1,38 @@
+"""File-system errors as one line: the checks commands make before any work, and the wording
+of an OSError met later (a disk that fills, a directory that goes away)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+class NotWritableError(OSError):
+  """A file or directory a command is to write cannot be written."""
+
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+def check_writable(path: str | Path, what: str) -> None:
+  """Raises NotWritableError, naming `what` (e.g. "--workdir"), where `path` could not be
+  created or written: the nearest existing directory at or above it takes no new file.
+  Nothing is left behind."""
+  path = Path(path).absolute()
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  if not existing.is_dir():
+    raise NotWritableError(f"{what} {path} cannot be created: {existing} is a file")
+  try:
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    raise NotWritableError(f"{what} {path} cannot be written: {e.strerror} (in {existing})"
+                           ) from None
+
+
+def describe(error: OSError) -> str:
+  """One line for a file-system error: what failed, on which path."""
+  if isinstance(error, NotWritableError) or not error.strerror:
+    return str(error)
+  paths = " -> ".join(str(p) for p in (error.filename, error.filename2) if p)
+  return f"{error.strerror}: {paths}" if paths else error.strerror
