@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from transformer_jax import (checkpoint, config as config_lib, fs, launch,
+from transformer_jax import (aot, checkpoint, config as config_lib, fs, launch,
                              preemption as preemption_lib, sharding, train_lib, writers)
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
@@ -63,6 +63,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   state, state_shardings = train_lib.create_train_state(
       model, train_lib.make_optimizer(opt_cfg), config.seed, mesh, config.max_len,
       ema=config.ema_decay > 0)
+  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config_lib.step_config(config))
+  if config.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
+    p_train = aot.load_train_step(config.compiled_train_step, p_train, state, mesh,
+                                  config.batch_size, config.max_len)
+    logging.info("Running the train step compiled ahead of time in %s",
+                 config.compiled_train_step)
   stream = pipeline.TrainStream(
       data.train, batch_size=config.batch_size, max_len=config.max_len, overlong=config.overlong,
       seed=config.seed, pack=config.packing, num_workers=data_cfg.num_workers,
@@ -92,7 +98,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
     writer.write_hparams(config.to_dict())
   progress = writers.Progress(config.num_steps, start)
   schedule = train_lib.learning_rate_schedule(opt_cfg)
-  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, config_lib.step_config(config))
   bleu_eval = data.bleu_pairs and BleuEval(
       model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
   batches = pipeline.Prefetched(stream, lambda b: sharding.global_batch(b, mesh))
@@ -166,7 +171,7 @@ def main(argv):
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (config_lib.ConfigError, FileNotFoundError, train_lib.NonFiniteError,
           checkpoint.CheckpointDamagedError, checkpoint.CheckpointMismatchError, DatasetError,
-          NoPairsError, TokenizerError) as e:
+          NoPairsError, TokenizerError, aot.AotError) as e:
     logging.flush()
     sys.exit(f"error: {e}")
   except OSError as e:  # The workdir, data or cache directories: full, gone, not writable.

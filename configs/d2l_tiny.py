@@ -8,10 +8,11 @@ batch 128, 30 epochs of 512 pairs (120 steps). Sentences are truncated to 9 toke
 truncate_pad does, and padded (no packing).
 """
 
-from transformer_jax.config import base_config, smoke
+from transformer_jax.config import base_config, smoke, variants
 
 
 def get_config(arg=None):
+  arg = variants(arg, ("smoke",))
   c = base_config()
   c.dataset = "fra_eng"
   c.train_split = "train[:512]"
@@ -30,4 +31,4 @@ def get_config(arg=None):
   c.adam_b1, c.adam_b2, c.adam_eps = 0.9, 0.999, 1e-8  # torch.optim.Adam's defaults.
   c.label_smoothing = 0.0
   c.log_every, c.eval_every, c.checkpoint_every = 10, 40, 40
-  return smoke(c) if arg == "smoke" else c
+  return smoke(c) if "smoke" in arg else c

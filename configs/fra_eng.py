@@ -14,10 +14,11 @@ scored lower on validation with this schedule).
 `configs/fra_eng.py:smoke` runs a few steps of a tiny model in seconds.
 """
 
-from transformer_jax.config import base_config, smoke
+from transformer_jax.config import base_config, smoke, variants
 
 
 def get_config(arg=None):
+  arg = variants(arg, ("smoke",))
   c = base_config()
   c.dataset = "fra_eng"
   c.vocab_size = 8000
@@ -32,7 +33,7 @@ def get_config(arg=None):
   c.warmup_steps = 300
   c.ema_decay = 0.0  # 0.998 gave 0.23 less validation BLEU than the parameters themselves.
   c.eval_every = c.checkpoint_every = 250
-  if arg == "smoke":
+  if "smoke" in arg:
     c.model.dropout_rate = 0.1  # Kept in smoke runs: the resume tests then cover dropout masks.
     return smoke(c)
   return c

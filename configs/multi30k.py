@@ -5,12 +5,13 @@
 Not yet measured on this CPU: no expected figure is claimed.
 """
 
-from transformer_jax.config import base_config, smoke
+from transformer_jax.config import base_config, smoke, variants
 
 
 def get_config(arg=None):
+  arg = variants(arg, ("de", "smoke"))
   c = base_config()
-  c.dataset = "multi30k_en_de" if arg and "de" in arg.split(",") else "multi30k_en_fr"
+  c.dataset = "multi30k_en_de" if "de" in arg else "multi30k_en_fr"
   c.vocab_size = 8000
   c.max_len = 64
   c.batch_size = 32
@@ -19,4 +20,4 @@ def get_config(arg=None):
   c.num_steps = 4000
   c.learning_rate = 1e-3
   c.warmup_steps = 400
-  return smoke(c) if arg and "smoke" in arg.split(",") else c
+  return smoke(c) if "smoke" in arg else c

@@ -9,10 +9,11 @@ Prepare each corpus into its own tfds_dir (the prepared dataset is named `parall
 Figures (first-step latency, peak memory at 1M and 5M pairs): benchmarks/README.md.
 """
 
-from transformer_jax.config import base_config, smoke
+from transformer_jax.config import base_config, smoke, variants
 
 
 def get_config(arg=None):
+  arg = variants(arg, ("cpu", "smoke"))
   c = base_config()
   c.dataset = "parallel_tsv"
   c.vocab_size = 32_000
@@ -22,7 +23,7 @@ def get_config(arg=None):
   c.num_eval_batches = 4
   c.model.dtype = "bfloat16"
   c.eval_every = c.checkpoint_every = 2000
-  if arg == "cpu":
+  if "cpu" in arg:
     c.model.update(d_model=64, num_heads=4, ffn_dim=128, num_encoder_layers=1,
                    num_decoder_layers=1, dtype="float32")
-  return smoke(c) if arg == "smoke" else c
+  return smoke(c) if "smoke" in arg else c

@@ -6,10 +6,11 @@ Paper: d_model 512, 6+6 layers, FFN 2048, 8 heads, dropout 0.1, label smoothing 
 Not run here (no accelerator, no internet): no figure is claimed.
 """
 
-from transformer_jax.config import base_config, smoke
+from transformer_jax.config import base_config, smoke, variants
 
 
 def get_config(arg=None):
+  arg = variants(arg, ("smoke",))
   c = base_config()
   c.dataset = "wmt14_en_de"
   c.eval_split = "validation"
@@ -21,4 +22,4 @@ def get_config(arg=None):
   c.learning_rate = 512 ** -0.5 * 4000 ** -0.5
   c.model.dtype = "bfloat16"
   c.eval_every = c.checkpoint_every = 2000
-  return smoke(c) if arg == "smoke" else c
+  return smoke(c) if "smoke" in arg else c

@@ -6,12 +6,13 @@ Not run here (no accelerator, no internet): no figure is claimed.
 """
 
 from configs import wmt14_base
-from transformer_jax.config import smoke
+from transformer_jax.config import smoke, variants
 
 
 def get_config(arg=None):
+  arg = variants(arg, ("smoke",))
   c = wmt14_base.get_config()
   c.model.update(d_model=1024, num_heads=16, ffn_dim=4096, dropout_rate=0.3)
   c.num_steps = 300_000
   c.learning_rate = 1024 ** -0.5 * 4000 ** -0.5
-  return smoke(c) if arg == "smoke" else c
+  return smoke(c) if "smoke" in arg else c

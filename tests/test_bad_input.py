@@ -119,7 +119,7 @@ def test_bad_corpus_files_are_named_by_line(smoke_config, tmp_path, content, mes
   with pytest.raises(DatasetError, match=message):
     train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
-  assert not list((tmp_path / "tfds").glob("fra_eng/*/*/dataset_info.json"))
+  assert not list((tmp_path / "tfds").rglob("dataset_info.json"))
 
 
 def test_a_corrupt_zip_is_named(smoke_config, tmp_path):

@@ -198,3 +198,84 @@ def test_an_output_that_cannot_be_written_is_refused_before_translating(trained)
                 "--output", "/sys/transformer_jax_out.txt")
   assert _one_error_line(result) == ("error: --output /sys/transformer_jax_out.txt cannot be "
                                      "written: Permission denied (in /sys)")
+
+
+def _tsv_dir(path: Path, lines: list[str]) -> Path:
+  path.mkdir(parents=True)
+  for split in ("train", "validation"):
+    (path / f"{split}.tsv").write_text("".join(line + "\n" for line in lines))
+  return path
+
+
+def test_another_corpus_in_the_same_tfds_dir_is_prepared_anew(tmp_path):
+  from transformer_jax.data import sources
+  first = _tsv_dir(tmp_path / "a", [f"hello {i}\tbonjour {i}" for i in range(50)])
+  second = _tsv_dir(tmp_path / "b", [f"cat {i}\tchat {i}" for i in range(50)])
+  tfds_dir = str(tmp_path / "tfds")
+  pairs = lambda data: sorted(sources.pairs(
+      sources.prepare("parallel_tsv", tfds_dir, str(data)), "parallel_tsv", "train"))
+  assert pairs(first)[0] == ("hello 0", "bonjour 0")
+  assert pairs(second)[0] == ("cat 0", "chat 0")  # Not the corpus prepared before.
+  assert pairs(first)[0] == ("hello 0", "bonjour 0")  # Each stays prepared, under its key.
+  assert sources.source_key(str(first)) != sources.source_key(str(second))
+
+
+def test_the_shared_tokenizer_is_keyed_by_the_split_it_is_fitted_on(smoke_config, tmp_path):
+  data = _tsv_dir(tmp_path / "data", [f"sentence number {i} here\tphrase numéro {i} ici"
+                                      for i in range(400)])
+  smoke_config.update(dataset="parallel_tsv", data_dir=str(data), tfds_dir=str(tmp_path / "t"),
+                      vocab_size=100, num_workers="0")
+  for split in ("train[:40]", "train"):
+    smoke_config.train_split = split
+    cfg = config_lib.data_config(smoke_config)
+    pipeline.prepare(cfg, tmp_path / split)
+  # One tokenizer each, not the first one reused for the full split.
+  assert len(list(cfg.cache_root.glob("tokenizer-*"))) == 2
+  assert (tmp_path / "train[:40]" / "tokenizer.model").read_bytes() != (
+      tmp_path / "train" / "tokenizer.model").read_bytes()
+
+
+@pytest.mark.parametrize("config,message", [
+    ("configs/fra_eng.py:Smoke",
+     "error: --config=configs/fra_eng.py:Smoke: unknown config variant 'Smoke'; this config "
+     "knows 'smoke'"),
+    ("configs/multi30k.py:en-de",
+     "error: --config=configs/multi30k.py:en-de: unknown config variant 'en-de'; this config "
+     "knows 'de', 'smoke'"),
+    ("config/fra_eng.py", "error: --config config/fra_eng.py: config/fra_eng.py is not a file"),
+])
+def test_an_unknown_config_variant_or_file_is_one_line(tmp_path, config, message):
+  flag = ["--config", config] if config.startswith("config/") else [f"--config={config}"]
+  result = _run("train.py", *flag, "--workdir", str(tmp_path / "w"))
+  assert _one_error_line(result).startswith(message)
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_parallel_tsv_line_with_a_third_column_is_named(smoke_config, tmp_path):
+  from transformer_jax.data.builders import DatasetError
+  data = _tsv_dir(tmp_path / "data", ["one\tun", "two\tdeux\textra", "three\ttrois"])
+  smoke_config.update(dataset="parallel_tsv", data_dir=str(data), tfds_dir=str(tmp_path / "t"),
+                      train_split="train", eval_split="validation")
+  with pytest.raises(DatasetError, match=r"train.tsv line 2 has 3 tab-separated fields; each "
+                     r"line is 'source<TAB>target'"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--input", "{src}", "--output", "{src}"],
+     "error: --output {src} is the --input file: it would be overwritten by the translations"),
+    (["--input", "{src}", "--reference", "{ref}", "--output", "{ref}"],
+     "error: --output {ref} is the --reference file: it would be overwritten by the "
+     "translations"),
+    (["--alpha", "-0.5", "Go."], "error: --alpha must be >= 0 (0: no length penalty), got -0.5"),
+])
+def test_translate_refuses_to_overwrite_its_input_and_a_negative_alpha(tmp_path, flags, message):
+  src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+  src.write_text("Go.\n")
+  ref.write_text("Va !\n")
+  fill = lambda s: s.format(src=src, ref=ref)
+  result = _run("-m", "transformer_jax.translate", "--workdir", str(tmp_path / "w"),
+                *map(fill, flags))
+  assert _one_error_line(result) == fill(message)
+  assert src.read_text() == "Go.\n" and ref.read_text() == "Va !\n"

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -64,7 +66,9 @@ def prepare_environment() -> None:
   through the topology API), and libtpu does not look for a TPU VM's metadata server."""
   for key, value in (("TF_CPP_MIN_LOG_LEVEL", "2"), ("JAX_PLATFORMS", "cpu"),
                      ("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                     ("TPU_ACCELERATOR_TYPE", "v5litepod-8")):
+                     ("TPU_ACCELERATOR_TYPE", "v5litepod-8"),
+                     # Compile-only: no chip is opened, so compiles may run side by side.
+                     ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
     os.environ.setdefault(key, value)
 
 
@@ -107,6 +111,9 @@ class Target:
     if chip in TPU_CHIPS and re.fullmatch(r"\d+(x\d+){1,2}", shape):
       hbm, peak = TPU_CHIPS[chip]
       return Target(name, "tpu", chip, hbm, peak, num_slices)
+    if chip == "cpu" and re.fullmatch(r"\d+", shape):  # This host's CPU devices.
+      return Target(name, "cpu", "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                    0.0)
     if chip in GPU_CHIPS and re.fullmatch(r"\d+(x\d+)?", shape):
       spec, _, peak = GPU_CHIPS[chip]
       memory = re.search(r"device_memory_size:\s*(\d+)", (SPECS / spec).read_text())
@@ -120,6 +127,13 @@ class Target:
   def devices(self) -> list:
     """The target's compile-only devices."""
     from jax.experimental import topologies
+    if self.platform == "cpu":
+      import jax
+      count, available = int(self.name.partition(":")[2]), jax.devices("cpu")
+      if count > len(available):
+        raise AotError(f"--topology {self.name}: this host has {len(available)} CPU devices "
+                       "(XLA_FLAGS=--xla_force_host_platform_device_count=N makes more)")
+      return available[:count]
     try:
       if self.platform == "tpu":
         # A v4 chip has two TensorCores; "megacore" makes them one device, as jax runs v4.
@@ -134,8 +148,9 @@ class Target:
             topology=f"1x{hosts or 1}x{per_host}")
     except Exception as e:  # jax/XLA raise several kinds; each means the same to the user.
       text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      if any(s in text for s in ("libtpu", "Unknown backend", "not found", "xla_cuda",
-                                 "not installed", "Unable to initialize backend", "cuda")):
+      missing = ("TPU support not installed", "topology not implemented for cuda",
+                 "Unknown backend")
+      if any(s in text for s in missing):
         raise AotError(f"compiling for {self.name} needs the {self.platform.upper()} compiler "
                        f"plugin ({text}); install it with: "
                        f"{install_command(self.platform, plugins_dir())}") from None
@@ -218,8 +233,9 @@ _OOM = re.compile(r"(Ran out of memory|RESOURCE_EXHAUSTED)")
 
 
 def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4,
-                   progress=print) -> dict:
-  """Compiles `programs` of `config` for `target`; returns the report (JSON-ready)."""
+                   progress=print, save_train_step: str | None = None) -> dict:
+  """Compiles `programs` of `config` for `target`; returns the report (JSON-ready).
+  `save_train_step`: also write the compiled train step there (see load_train_step)."""
   import jax
   import numpy as np
   from transformer_jax import config as config_lib, flops as flops_lib, sharding, train_lib
@@ -233,6 +249,12 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
   vocab = int(config.vocab_size)
   model_cfg = config_lib.model_config(config, vocab, vocab, platform=target.platform)
+  if model_cfg.attention_impl == "cudnn" and target.platform == "gpu":
+    raise AotError(
+        f"cuDNN's fused attention (model.attention_impl={config.model.attention_impl!r}: "
+        f"{model_cfg.dtype} on a GPU) cannot be compiled without a GPU: jax reads the device's "
+        "compute capability while tracing it. Compile XLA's attention instead "
+        "(--config.model.attention_impl=xla), which keeps the attention scores in memory")
   model = Transformer(model_cfg)
   tx = train_lib.make_optimizer(config_lib.optimizer_config(config))
   state, state_shardings = train_lib.abstract_train_state(
@@ -275,7 +297,10 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
     start = time.perf_counter()
     entry = {}
     try:
-      compiled = lowered(name).compile()
+      program = lowered(name)
+      compiled = program.compile()
+      if name == "train" and save_train_step:
+        _save_executable(compiled, program, target, n, save_train_step)
     except Exception as e:  # XLA raises XlaRuntimeError (or ValueError) with the status text.
       text = str(e)
       if not _OOM.search(text):
@@ -295,6 +320,62 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
     report["programs"][name] = entry
   report["fits"] = all(p["fits"] for p in report["programs"].values())
   return report
+
+
+_FORMAT = 1
+
+
+def _program_digest(lowered) -> str:
+  """What must be equal for a saved executable to stand in for a jitted step: its program."""
+  return hashlib.sha256(lowered.as_text().encode()).hexdigest()
+
+
+def _save_executable(compiled, lowered, target: Target, num_devices: int, path: str) -> None:
+  """Writes a compiled train step with what load_train_step checks (whole, or not at all)."""
+  import jax
+  from jax.experimental import serialize_executable
+  payload, _, _ = serialize_executable.serialize(compiled)
+  blob = {"format": _FORMAT, "jax": jax.__version__, "platform": target.platform,
+          "target": target.name, "num_devices": num_devices,
+          "program_sha256": _program_digest(lowered), "executable": payload}
+  partial = Path(f"{path}.tmp")
+  partial.write_bytes(pickle.dumps(blob))
+  partial.replace(path)
+
+
+def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max_len: int):
+  """The train step compiled ahead of time and saved at `path` (`--save_train_step`), loaded in
+  place of `p_train` (train_lib.jit_steps's), which it must equal: the same program (config,
+  shardings, mesh, jax) for this host's platform and device count.
+
+  Raises:
+    AotError: the file cannot be read, or holds another program or another target's.
+  """
+  import jax
+  from jax.experimental import serialize_executable
+  from transformer_jax import sharding
+  path = Path(path)
+  try:
+    blob = pickle.loads(path.read_bytes())
+    if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+      raise ValueError("not a saved train step")
+  except (OSError, pickle.UnpicklingError, ValueError, EOFError) as e:
+    raise AotError(f"compiled_train_step {path} cannot be read ({e})") from None
+  here = (jax.__version__, jax.default_backend(), mesh.size)
+  saved = (blob["jax"], blob["platform"], blob["num_devices"])
+  if here != saved:
+    raise AotError(f"compiled_train_step {path} was compiled for {blob['target']} with jax "
+                   f"{blob['jax']} ({blob['num_devices']} {blob['platform']} devices); this run "
+                   f"has jax {here[0]} and {here[2]} {here[1]} devices")
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+  with sharding.mesh_context(mesh):
+    lowered = p_train.lower(abstract, _abstract_batch(batch_size, max_len, mesh))
+  if _program_digest(lowered) != blob["program_sha256"]:
+    raise AotError(f"compiled_train_step {path} holds another program than this run's train "
+                   "step (the config, mesh or code differ): compile it again for this config")
+  return serialize_executable.deserialize_and_load(blob["executable"], lowered.in_tree,
+                                                   lowered.out_tree)
 
 
 def _decoder(model, params, param_shardings, mesh, rows: int, max_len: int, beam_size: int):
@@ -367,8 +448,14 @@ def main(argv):
       from transformer_jax import fs
       fs.check_writable(F.json, "--json")
     target = Target.parse(F.topology, F.num_slices)
+    if F.save_train_step:
+      if "train" not in programs:
+        raise AotError("--save_train_step needs the train program in --programs")
+      from transformer_jax import fs
+      fs.check_writable(F.save_train_step, "--save_train_step")
     report = compile_report(F.config, target, programs,
-                            progress=lambda s: print(s, file=sys.stderr, flush=True))
+                            progress=lambda s: print(s, file=sys.stderr, flush=True),
+                            save_train_step=F.save_train_step)
   except (AotError, config_lib.ConfigError, OSError) as e:
     sys.exit(f"error: {e}")
   report["config"] = F["config"].value if hasattr(F["config"], "value") else None
@@ -393,15 +480,18 @@ def define_flags():
   flags.DEFINE_string("json", None, "Write the report here as JSON.")
   flags.DEFINE_string("plugins", None, f"Directory of the compiler plugins (default: ${PLUGINS_ENV}"
                       f" or {DEFAULT_PLUGINS}).")
+  flags.DEFINE_string("save_train_step", None, "Also write the compiled train step here, for "
+                      "train.py --config.compiled_train_step on the target.")
   flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
                     "--plugins and exit.")
 
 
 if __name__ == "__main__":
+  # Before jax is imported: it reads JAX_PLATFORMS and looks for CUDA's version module once.
+  prepare_environment()
+  use_plugins(plugins_dir(next((a.split("=", 1)[1] for a in sys.argv
+                                if a.startswith("--plugins=")), None)))
   from absl import app
   from transformer_jax import launch
-  prepare_environment()
   define_flags()
-  _plugins_flag = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--plugins=")), None)
-  use_plugins(plugins_dir(_plugins_flag))
   app.run(main, flags_parser=launch.parse_flags)

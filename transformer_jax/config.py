@@ -31,6 +31,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"dataset={config.dataset!r} is unknown; choose one of {sorted(DATASETS)}")
   if config.data_dir:
     _check(Path(config.data_dir).is_dir(), f"data_dir={config.data_dir!r} is not a directory")
+  if config.compiled_train_step:
+    _check(Path(config.compiled_train_step).is_file(),
+           f"compiled_train_step={config.compiled_train_step!r} is not a file")
   _check(config.tokenizer in ("sentencepiece", "word"),
          f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'word'")
   _check(config.overlong in ("drop", "truncate"),
@@ -218,12 +221,28 @@ def base_config() -> ml_collections.ConfigDict:
   c.nan_at_step = 0  # Tests: make this step's loss NaN (0: never).
 
   c.compilation_cache_dir = ""  # JAX's persistent compilation cache; empty: WORKDIR/jax_cache.
+  # A train step compiled ahead of time for this config and target (python -m
+  # transformer_jax.aot --save_train_step FILE), run instead of compiling it; empty: compile.
+  c.compiled_train_step = ""
   c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices.
   c.log_every = 50
   c.eval_every = 500
   c.checkpoint_every = 500
   c.keep_checkpoints = 3
   return c
+
+
+def variants(arg: str | None, known: tuple[str, ...]) -> set[str]:
+  """The variants named by `configs/NAME.py:ARG` (comma-separated), each one of `known`.
+
+  Raises:
+    ConfigError: an unknown variant (a typo must not silently give the full config).
+  """
+  given = [a.strip() for a in (arg or "").split(",") if a.strip()]
+  unknown = [a for a in given if a not in known]
+  _check(not unknown, f"unknown config variant {unknown[0] if unknown else ''!r}; this config "
+         f"knows {', '.join(repr(k) for k in known)} (configs/NAME.py:VARIANT)")
+  return set(given)
 
 
 def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -15,11 +15,13 @@ class NotWritableError(OSError):
 
 
 def check_writable(path: str | Path, what: str) -> None:
-  """Raises NotWritableError, naming `what` (e.g. "--workdir"), where `path` could not be
-  created or written: the nearest existing directory at or above it takes no new file.
-  Nothing is left behind."""
+  """Raises NotWritableError, naming `what` (e.g. "--workdir"), where `path` (a directory, or
+  a file to create or replace) could not be written: the nearest existing directory at or
+  above it takes no new file. Nothing is left behind."""
   path = Path(path).absolute()
   existing = next(p for p in (path, *path.parents) if p.exists())
+  if existing == path and path.is_file():  # A file to replace: its directory takes the new one.
+    existing = path.parent
   if not existing.is_dir():
     raise NotWritableError(f"{what} {path} cannot be created: {existing} is a file")
   try:

@@ -4,6 +4,7 @@ multi-process run."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import jax
 from absl import flags, logging
@@ -37,7 +38,13 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int, 
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad flag or config override reported in one line."""
+  """absl's flag parsing, with a bad flag, config file or config override reported in one
+  line."""
+  for i, arg in enumerate(argv):  # absl only says it failed loading "config_config".
+    value = (arg.split("=", 1)[1] if arg.startswith("--config=") else
+             argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+    if value is not None and not Path(value.partition(":")[0]).is_file():
+      sys.exit(f"error: --config {value}: {value.partition(':')[0]} is not a file")
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # config_flags raises KeyError, AttributeError, TypeError, ...
@@ -48,5 +55,11 @@ def parse_flags(argv: list[str]) -> list[str]:
                if a.startswith("--config.") and a.split("=")[0].split(".")[-1] == name]
       sys.exit(f"error: {given[0] if given else name}: no such config field (the fields and "
                "their meanings are in transformer_jax/config.py)")
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    sys.exit(f"error: {message}")
+    first_line = lambda x: str(x).strip().splitlines()[0] if str(x).strip() else type(x).__name__
+    root = e  # A config file that fails to load: the cause, not absl's wrapper.
+    while (root.__cause__ or root.__context__) is not None:
+      root = root.__cause__ or root.__context__
+    if root is not e and str(e).startswith("flag --config"):
+      flag = str(e).split(": ", 1)[0].removeprefix("flag ")  # --config=configs/x.py:ARG
+      sys.exit(f"error: {flag}: {first_line(root)}")
+    sys.exit(f"error: {first_line(e)}")

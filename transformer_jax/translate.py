@@ -185,6 +185,12 @@ def main(argv):
                            f"{FLAGS.long_beam_size} and {FLAGS.long_over}")
     if FLAGS.long_beam_size and FLAGS.beam_size == 1:
       raise InferenceError("--long_beam_size needs beam search: --beam_size 1 decodes greedily")
+    if FLAGS.alpha < 0:
+      raise InferenceError(f"--alpha must be >= 0 (0: no length penalty), got {FLAGS.alpha}")
+    for flag, given in (("--input", FLAGS.input), ("--reference", FLAGS.reference)):
+      if given and FLAGS.output and Path(FLAGS.output).resolve() == Path(given).resolve():
+        raise InferenceError(f"--output {FLAGS.output} is the {flag} file: it would be "
+                             "overwritten by the translations")
     if FLAGS.max_len < 0:
       raise InferenceError(f"--max_len must be 0 (source length + 10) or positive, got "
                            f"{FLAGS.max_len}")

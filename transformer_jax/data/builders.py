@@ -46,12 +46,16 @@ def _decoded(lines, name: str):
                          f"{raw[e.start:e.start + 1]!r})") from None
 
 
-def _check_pairs(lines, name: str, expected: str) -> None:
+def _check_pairs(lines, name: str, expected: str, max_fields: int | None = None) -> None:
   """Reads a whole tab-separated file once before tfds writes anything: raises where a line is
-  not UTF-8 or where no line holds two non-empty tab-separated fields."""
+  not UTF-8, holds more than `max_fields` fields (where given), or where no line holds two
+  non-empty tab-separated fields."""
   pairs = 0
-  for _, text in _decoded(lines, name):
+  for number, text in _decoded(lines, name):
     fields = text.rstrip("\r\n").split("\t")
+    if max_fields is not None and len(fields) > max_fields:
+      raise DatasetError(f"{name} line {number} has {len(fields)} tab-separated fields; each "
+                         f"line is '{expected}'")
     pairs += len(fields) >= 2 and bool(fields[0].strip()) and bool(fields[1].strip())
   if not pairs:
     raise DatasetError(f"{name} holds no '{expected}' line (empty, or no tab-separated pair)")
@@ -192,7 +196,7 @@ class ParallelTsv(tfds.core.GeneratorBasedBuilder):
       path = manual / f"{split}.tsv"
       if path.exists():
         with open(path, "rb") as f:
-          _check_pairs(f, str(path), "source<TAB>target")
+          _check_pairs(f, str(path), "source<TAB>target", max_fields=2)
         splits[split] = self._generate_examples(path)
       elif split != "test":
         raise FileNotFoundError(f"data_dir {manual} has no {split}.tsv")

@@ -43,8 +43,11 @@ class DataConfig:
 
   @property
   def cache_root(self) -> Path:
+    """Tokenizers and token caches of this dataset made from this source (sources.source_key)."""
+    from transformer_jax.data import sources  # tfds loads here, not on import.
     tfds_dir = self.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
-    return Path(self.cache_dir or Path(tfds_dir) / "transformer_jax_cache") / self.dataset
+    return (Path(self.cache_dir or Path(tfds_dir) / "transformer_jax_cache") / self.dataset
+            / sources.source_key(self.data_dir or None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +79,9 @@ def tokenizers_for(cfg: DataConfig, text, workdir: Path) -> Tokenizers:
   if tokenizers is not None:
     logging.info("Reusing the tokenizer saved in %s", workdir)
     return tokenizers
-  shared = cfg.cache_root / f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
+  # Keyed by what it is fitted on: the source (cache_root), the split, the sample, the kind.
+  shared = cfg.cache_root / (f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
+                             f"-{_split_dir(cfg.train_split)}")
   tokenizers = Tokenizers.load(shared)
   if tokenizers is None:
     n = len(text)

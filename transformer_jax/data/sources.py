@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from pathlib import Path
 
 import tensorflow_datasets as tfds
@@ -52,15 +54,41 @@ def _check_reachable(name: str, host: str | None, timeout: float = 10.0) -> None
         f"({e}); set data_dir to a directory with its raw files") from None
 
 
+_HASHED_BYTES = 64 * 2 ** 20  # Larger raw files are known by name, size and time instead.
+
+
+@functools.lru_cache(maxsize=None)
+def source_key(data_dir: str | None) -> str:
+  """What a prepared dataset is made from: "download" (its public source), or "local-" and a
+  digest of the files under `data_dir` (their names and bytes). Datasets and token caches are
+  kept by this key, so that another corpus in the same place is prepared anew, never mistaken
+  for the one prepared before."""
+  if not data_dir:
+    return "download"
+  root = Path(data_dir).resolve()
+  digest = hashlib.sha256()
+  for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    stat = path.stat()
+    digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0".encode())
+    if stat.st_size <= _HASHED_BYTES:
+      digest.update(path.read_bytes())
+    else:
+      digest.update(str(stat.st_mtime_ns).encode())
+  return "local-" + digest.hexdigest()[:16]
+
+
 def prepare(name: str, tfds_dir: str, data_dir: str | None):
   """Builds (once) the array_record files of a dataset and returns its builder.
 
   Args:
     name: a key of DATASETS.
-    tfds_dir: where tfds keeps prepared datasets.
+    tfds_dir: where tfds keeps prepared datasets (one from a local data_dir goes under
+      tfds_dir/local-DIGEST: see source_key).
     data_dir: local directory with the raw files, or None to download them.
   """
   spec = DATASETS[name]
+  key = source_key(data_dir or None)  # A local corpus: a directory of its own.
+  tfds_dir = tfds_dir if key == "download" else str(Path(tfds_dir) / key)
   if spec.builder is None:
     builder = tfds.builder(spec.tfds_name, data_dir=tfds_dir, file_format="array_record")
   else:
