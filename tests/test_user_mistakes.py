@@ -73,6 +73,10 @@ def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp
   translate = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.")
   assert _one_error_line(translate).startswith(expected.replace("params.", "ema_params."))
   assert translate.stdout == ""
+  visualize = _run("-m", "transformer_jax.visualize", "--workdir", str(workdir), "--out",
+                   str(tmp_path / "maps"), "Go.")
+  assert _one_error_line(visualize).startswith(expected.replace("params.", "ema_params."))
+  assert not (tmp_path / "maps").exists()
   average = _run("-m", "transformer_jax.average", "--workdir", str(workdir), "--last", "2",
                  "--output", str(tmp_path / "avg"))
   assert _one_error_line(average).startswith(
