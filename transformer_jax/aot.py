@@ -283,8 +283,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
         return p_train.lower(state, _abstract_batch(config.batch_size, config.max_len, mesh))
       if name == "eval":
         return p_eval.lower(state, _abstract_batch(config.eval_batch_size, config.max_len, mesh))
-      return _decoder(model, state.params, state_shardings.params, mesh, config.eval_batch_size,
-                      config.max_len, beam_size).lower(
+      return _decoder(model, state_shardings.params, mesh, config.max_len, beam_size).lower(
           state.params, _abstract_batch(config.eval_batch_size, config.max_len, mesh)["inputs"])
 
   analytic = {"train": flops_lib.model_flops(model_cfg, full(config.batch_size),
@@ -378,13 +377,12 @@ def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max
                                                    lowered.out_tree)
 
 
-def _decoder(model, params, param_shardings, mesh, rows: int, max_len: int, beam_size: int):
+def _decoder(model, param_shardings, mesh, max_len: int, beam_size: int):
   """translate's decoder (generation.generate) jitted over `mesh`: source rows split over the
   data-parallel devices, parameters placed as in training."""
   import jax
   from transformer_jax import sharding
   from transformer_jax.generation import generate
-  del params
   return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size),
                  in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.batch_sharding(mesh))
