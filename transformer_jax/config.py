@@ -72,6 +72,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"label_smoothing={config.label_smoothing} must be in [0, 1)")
   _check(len(config.mesh_shape) == 3,
          f"mesh_shape={tuple(config.mesh_shape)} must have 3 entries (data, fsdp, tensor)")
+  d = config.decode
+  _check(d.beam_size >= 1, f"decode.beam_size={d.beam_size} must be at least 1 (1: greedy)")
+  _check(d.alpha >= 0, f"decode.alpha={d.alpha} must be >= 0 (0: no length penalty)")
+  _check(d.segment_over >= -1, f"decode.segment_over={d.segment_over} must be -1 (split none), "
+         "0 (all) or positive")
+  _check(d.long_beam_size >= 0 and d.long_over >= 0,
+         f"decode.long_beam_size={d.long_beam_size} and decode.long_over={d.long_over} must be "
+         ">= 0")
   m = config.model
   for field in ("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers"):
     _check(isinstance(m[field], int) and m[field] > 0,
@@ -225,6 +233,14 @@ def base_config() -> ml_collections.ConfigDict:
   # transformer_jax.aot --save_train_step FILE), run instead of compiling it; empty: compile.
   c.compiled_train_step = ""
   c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices.
+  # How `translate` decodes this run's workdir unless its flags say otherwise: the settings a
+  # recipe was scored with (its config.json keeps them).
+  c.decode = ml_collections.ConfigDict(dict(
+      beam_size=4,  # 1: greedy.
+      alpha=0.6,  # GNMT length penalty exponent (beam search).
+      segment_over=16,  # Sources of more tokens are translated sentence by sentence (-1: none).
+      long_beam_size=0,  # Beam size for sources (or sentences) over long_over tokens; 0: off.
+      long_over=16))
   c.log_every = 50
   c.eval_every = 500
   c.checkpoint_every = 500
@@ -295,6 +311,12 @@ def _warn_if_the_learning_rates_move(saved_json: str, config: ml_collections.Con
                       for k in names if getattr(before, k) != getattr(after, k))
   logging.warning("%s: the learning rates from the checkpoint of step %d on are not the ones "
                   "the run was following", changed, from_step)
+
+
+def decode_defaults(saved: ml_collections.ConfigDict) -> dict:
+  """The decoding settings a workdir's run was configured with (its config.json's `decode`),
+  each missing one (a run older than the section) taken from base_config."""
+  return {**base_config().decode.to_dict(), **saved.get("decode", {})}
 
 
 def load_saved(workdir: str | Path) -> ml_collections.ConfigDict:

@@ -140,19 +140,21 @@ def define_flags():
   """Command-line flags; defined only when run as a command, so importing is side-effect free."""
   flags.DEFINE_string("workdir", None, "Training workdir (config.json, tokenizer, checkpoints/).")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
-  flags.DEFINE_integer("beam_size", 4, "Beam size; 1 decodes greedily.")
-  flags.DEFINE_float("alpha", 0.6, "GNMT length penalty exponent (beam search).")
+  flags.DEFINE_integer("beam_size", None, "Beam size; 1 decodes greedily. Default: the workdir's "
+                       "config (decode.beam_size).")
+  flags.DEFINE_float("alpha", None, "GNMT length penalty exponent (beam search). Default: the "
+                     "workdir's config (decode.alpha).")
   flags.DEFINE_integer("max_len", 0, "Output tokens at most; 0: source length + 10.")
-  flags.DEFINE_integer("segment_over", 16, "Translate a source of more than this many tokens "
+  flags.DEFINE_integer("segment_over", None, "Translate a source of more than this many tokens "
                        "sentence by sentence (pysbd's sentence ends) and join the translations "
                        "with a space; 0: every source; -1: none (a source over the model's "
-                       "max_len is then truncated). 16 was chosen on validation documents "
-                       "(README, \"Long sources\").")
-  flags.DEFINE_integer("long_beam_size", 0, "Beam size for a source (or a sentence of a split "
+                       "max_len is then truncated). Default: the workdir's config "
+                       "(decode.segment_over, 16: chosen on validation documents, "
+                       "docs/translating.md).")
+  flags.DEFINE_integer("long_beam_size", None, "Beam size for a source (or a sentence of a split "
                        "source) of more than --long_over tokens; 0: --beam_size for all. Needs "
-                       "beam search (--beam_size 2 or more). 8 over 16 gained on validation and "
-                       "lost on Tatoeba (README, \"Long sources\").")
-  flags.DEFINE_integer("long_over", 16, "See --long_beam_size.")
+                       "beam search (--beam_size 2 or more). Default: the workdir's config.")
+  flags.DEFINE_integer("long_over", None, "See --long_beam_size. Default: the workdir's config.")
   flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input.")
   flags.DEFINE_string("input", None, "File with one source sentence a line.")
   flags.DEFINE_string("output", None, "Where to write the translations of --input.")
@@ -173,6 +175,13 @@ def main(argv):
       raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
     if FLAGS.split and FLAGS.reference:
       raise InferenceError("--split scores against the split's own targets: drop --reference")
+    try:  # The recipe's decoding settings, unless a flag overrides one.
+      defaults = config_lib.decode_defaults(config_lib.load_saved(FLAGS.workdir))
+    except config_lib.ConfigError as e:
+      raise InferenceError(str(e)) from None
+    for name in defaults:
+      if getattr(FLAGS, name) is None:
+        setattr(FLAGS, name, defaults[name])
     if FLAGS.beam_size < 1:
       raise InferenceError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
     if FLAGS.batch_size < 1:
