@@ -29,7 +29,7 @@ import jax  # noqa: E402
 
 from benchmarks.common import interleaved, load_config  # noqa: E402
 from benchmarks.train_step import synthetic_batch, train_setup  # noqa: E402
-from transformer_jax import config as config_lib, sharding  # noqa: E402
+from transformer_jax import sections, sharding  # noqa: E402
 
 
 def torch_step_fn(config, vocab: int, batch, compile_model: bool = False):
@@ -119,7 +119,7 @@ def main():
   config = load_config(args.config, args.set)
   config.max_len = args.len or config.max_len
   rows = args.rows or config.batch_size
-  vocab = config_lib.padded_vocab(config.vocab_size)
+  vocab = sections.padded_vocab(config.vocab_size)
   batch = synthetic_batch(rows, config.max_len, vocab)
 
   steps = {"jax": jax_step_fn(config, batch)}

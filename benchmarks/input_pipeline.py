@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
-from transformer_jax import config as config_lib  # noqa: E402
+from transformer_jax import config as config_lib, sections  # noqa: E402
 from transformer_jax.data import pipeline, sources, token_cache  # noqa: E402
 
 
 def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> dict:
-  cfg = config_lib.data_config(config)
+  cfg = sections.data_config(config)
   builder = sources.prepare(cfg.dataset, cfg.tfds_dir or os.path.expanduser(
       "~/tensorflow_datasets"), cfg.data_dir or None)
   split = f"{cfg.train_split}[:{pairs}]" if pairs else cfg.train_split

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
-from transformer_jax import config as config_lib, sharding, train_lib  # noqa: E402
+from transformer_jax import sections, sharding, train_lib  # noqa: E402
 from transformer_jax.flops import model_flops, segment_lengths  # noqa: E402,F401
 from transformer_jax.model import Transformer, TransformerConfig  # noqa: E402
 
@@ -68,7 +68,7 @@ def real_batches(config, rows: int, packing: bool, count: int):
   import tempfile
   from transformer_jax.data import pipeline  # tfds loads only for real data.
   with tempfile.TemporaryDirectory() as workdir:
-    data = pipeline.prepare(config_lib.data_config(config), workdir)
+    data = pipeline.prepare(sections.data_config(config), workdir)
   stream = pipeline.TrainStream(data.train, batch_size=rows, max_len=config.max_len,
                                 overlong=config.overlong, seed=0, pack=packing)
   batches = [next(stream) for _ in range(count)]
@@ -84,11 +84,11 @@ def train_setup(config, mesh=None):
     (model config, mesh, state, jitted train_step)
   """
   mesh = mesh or sharding.make_mesh(config.mesh_shape)
-  cfg = config_lib.model_config(config, config.vocab_size, config.vocab_size)
+  cfg = sections.model_config(config, config.vocab_size, config.vocab_size)
   state, shardings = train_lib.create_train_state(
-      Transformer(cfg), train_lib.make_optimizer(config_lib.optimizer_config(config)), 0, mesh,
+      Transformer(cfg), train_lib.make_optimizer(sections.optimizer_config(config)), 0, mesh,
       config.max_len, ema=config.ema_decay > 0)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, config_lib.step_config(config))
+  p_train, _ = train_lib.jit_steps(shardings, mesh, sections.step_config(config))
   return cfg, mesh, state, p_train
 
 

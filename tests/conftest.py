@@ -57,11 +57,11 @@ def tiny_model_config(**overrides):
 def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
   """A 20-step smoke run with checkpoints 10 and 20, keeping a moving average of the parameters
   whatever the recipe does (tests copy it before changing it)."""
-  import train
+  from transformer_jax import trainer
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
   config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0,
                 num_workers="0", compilation_cache_dir=str(cache_dir), ema_decay=0.9)
   workdir = tmp_path_factory.mktemp("trained")
-  train.train_and_evaluate(config, str(workdir))
+  trainer.train_and_evaluate(config, str(workdir))
   return config, workdir

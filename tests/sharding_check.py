@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from tests.conftest import tiny_model_config
-from transformer_jax import config as config_lib, sharding, train_lib
+from transformer_jax import sections, sharding, train_lib
 from transformer_jax.model import Transformer
 from configs import fra_eng
 
@@ -39,7 +39,7 @@ def run(mesh_shape, devices):
   mesh = sharding.make_mesh(mesh_shape, devices)
   model = Transformer(tiny_model_config(dropout_rate=0.1))
   state, shardings = train_lib.create_train_state(model, train_lib.make_optimizer(
-      config_lib.optimizer_config(config)), 0,
+      sections.optimizer_config(config)), 0,
                                                   mesh, 12)
   p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
   losses = []

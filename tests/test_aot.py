@@ -25,7 +25,7 @@ def plugins():
   """The pinned compiler plugins, installed by the command's own --install_plugins."""
   directory = aot.plugins_dir()
   if not (directory / "libtpu").is_dir() or not (directory / "jax_plugins").is_dir():
-    subprocess.run([sys.executable, "-m", "transformer_jax.aot", "--install_plugins"],
+    subprocess.run([sys.executable, "-m", "transformer_jax", "aot", "--install_plugins"],
                    cwd=ROOT, check=True, timeout=1800)
   return directory
 
@@ -34,7 +34,7 @@ def _aot(plugins, *args, json_path=None):
   env = dict(os.environ, **{aot.PLUGINS_ENV: str(plugins)})
   env.pop("JAX_PLATFORMS", None)  # The command sets its own.
   extra = ["--json", str(json_path)] if json_path else []
-  result = subprocess.run([sys.executable, "-m", "transformer_jax.aot",
+  result = subprocess.run([sys.executable, "-m", "transformer_jax", "aot",
                            "--config", "configs/fra_eng.py:smoke", *args, *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   report = json.loads(json_path.read_text()) if json_path and json_path.exists() else None
@@ -151,7 +151,7 @@ def test_a_saved_train_step_is_what_train_py_runs(tmp_path, cache_dir, fra_eng_b
   """Compiled ahead of time for this host's CPU, saved, loaded by train.py in place of its own
   compile: the same losses as a run that compiles; another program is refused."""
   saved = tmp_path / "train_step.bin"
-  result = subprocess.run([sys.executable, "-m", "transformer_jax.aot", "--config",
+  result = subprocess.run([sys.executable, "-m", "transformer_jax", "aot", "--config",
                            "configs/fra_eng.py:smoke", "--topology", "cpu:1", "--programs",
                            "train", "--save_train_step", str(saved)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

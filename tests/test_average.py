@@ -12,14 +12,14 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer_jax import checkpoint
+from transformer_jax.workdir import Workdir, WorkdirError
 from transformer_jax.average import AverageError, average_checkpoints, state_of
-from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.translator import Translator
 
 
 def _states(config, workdir, steps):
   """{step: (state, data)} read back through the library's own restore."""
-  state, shardings = state_of(config, Tokenizers.load(workdir))
+  state, shardings = state_of(Workdir(workdir).open())
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 1, 1, read_only=True)
   try:
     return {s: jax.device_get(ckpt.restore(s, state, shardings)) for s in steps}
@@ -60,14 +60,14 @@ def test_bad_requests_are_one_line_and_write_nothing(trained, tmp_path):
   _, workdir = trained
   with pytest.raises(AverageError, match=r"--last 3: .* holds 2 checkpoints \(\[10, 20\]\)"):
     average_checkpoints(workdir, 3, tmp_path / "a")
-  with pytest.raises(AverageError, match="not a training workdir"):
+  with pytest.raises(WorkdirError, match="not a training workdir"):
     average_checkpoints(tmp_path, 2, tmp_path / "b")
   (tmp_path / "exists").mkdir()
   with pytest.raises(AverageError, match="exists; name a new directory"):
     average_checkpoints(workdir, 2, tmp_path / "exists")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
   result = subprocess.run(
-      [sys.executable, "-m", "transformer_jax.average", "--workdir", str(workdir), "--last", "0",
+      [sys.executable, "-m", "transformer_jax", "average", "--workdir", str(workdir), "--last", "0",
        "--output", str(tmp_path / "c")], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == "error: --last must be at least 1, got 0"

@@ -11,9 +11,9 @@ import zipfile
 
 import pytest
 
-import train
+from transformer_jax import config as config_lib, train_lib, trainer
+from transformer_jax.workdir import WorkdirError
 from tests.conftest import DATA, ROOT
-from transformer_jax import config as config_lib, train_lib
 from transformer_jax.data import sources
 from transformer_jax.data.builders import DatasetError
 from transformer_jax.data.tokenizer import TokenizerError
@@ -79,7 +79,7 @@ def test_empty_workdir_flag(tmp_path):
 def test_bad_config_values_are_named(smoke_config, tmp_path, change, message):
   smoke_config.update(change)
   with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -101,8 +101,8 @@ def test_zero_grad_clip_means_no_clipping_and_zero_warmup_means_none():
 
 def test_workdir_that_is_a_file(smoke_config, tmp_path):
   (tmp_path / "file").write_text("not a directory")
-  with pytest.raises(config_lib.ConfigError, match="--workdir .*file is a file"):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "file"))
+  with pytest.raises(WorkdirError, match="--workdir .*file is a file"):
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "file"))
   assert (tmp_path / "file").read_text() == "not a directory"
 
 
@@ -117,7 +117,7 @@ def test_bad_corpus_files_are_named_by_line(smoke_config, tmp_path, content, mes
   (data / "fra.txt").write_bytes(content)
   smoke_config.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match=message):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
   assert not list((tmp_path / "tfds").rglob("dataset_info.json"))
 
@@ -128,11 +128,11 @@ def test_a_corrupt_zip_is_named(smoke_config, tmp_path):
   (data / "fra-eng.zip").write_bytes(b"PK\x03\x04 not really a zip")
   smoke_config.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match="fra-eng.zip is not a readable zip file"):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   with zipfile.ZipFile(data / "fra-eng.zip", "w") as zf:
     zf.writestr("fra-eng/readme.txt", "no corpus here")
   with pytest.raises(DatasetError, match="fra-eng.zip holds no fra.txt"):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
 
 
 @pytest.mark.parametrize("split,message", [
@@ -142,7 +142,7 @@ def test_a_corrupt_zip_is_named(smoke_config, tmp_path):
 def test_a_bad_split_is_named(smoke_config, tmp_path, split, message):
   smoke_config.eval_split = split
   with pytest.raises(DatasetError, match=message):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -151,7 +151,7 @@ def test_no_data_dir_and_an_unreachable_source_fails_fast(smoke_config, tmp_path
   smoke_config.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match="fra_eng is not prepared in tfds_dir and its source "
                      "127.0.0.1 cannot be reached"):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -161,5 +161,5 @@ def test_damaged_tokenizer_file_is_named(smoke_config, tmp_path, content):
   workdir.mkdir()
   (workdir / "tokenizer.model").write_bytes(content)
   with pytest.raises(TokenizerError, match=r"tokenizer.model is damaged or empty"):
-    train.train_and_evaluate(smoke_config, str(workdir))
+    trainer.train_and_evaluate(smoke_config, str(workdir))
   assert sorted(p.name for p in workdir.iterdir()) == ["tokenizer.model"]

@@ -70,7 +70,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
 import benchmarks.profile_step, benchmarks.step_variants
-import transformer_jax.translate, transformer_jax.visualize
+import transformer_jax.translator, transformer_jax.heatmaps
 try:
   import transformer_jax.data.sources
 except ImportError as e:

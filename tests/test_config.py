@@ -4,7 +4,11 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from transformer_jax import config as config_lib
+from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import WorkdirError
+from transformer_jax import config as config_lib, sections, workdir as workdir_lib
+
+pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 
 
 @pytest.mark.parametrize("name", ["fra_eng", "d2l_tiny", "multi30k", "wmt14_base", "wmt14_big"])
@@ -13,7 +17,7 @@ def test_every_config_validates(name, arg):
   module = __import__(f"configs.{name}", fromlist=["get_config"])
   config = module.get_config(arg)
   config_lib.validate(config)
-  model = config_lib.model_config(config, 1000, 1000)
+  model = sections.model_config(config, 1000, 1000)
   assert model.tgt_vocab_size == 1024  # Padded to a multiple of 128.
 
 
@@ -37,7 +41,7 @@ def test_bad_fields_are_named(field, value, message):
   config = fra_eng.get_config()
   config[field] = value
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-    config_lib.validate(config)
+    sections.validated(config)
 
 
 def test_train_py_fails_in_one_line_before_compiling(tmp_path):
@@ -54,18 +58,18 @@ def test_train_py_fails_in_one_line_before_compiling(tmp_path):
 def test_a_workdir_of_another_model_is_refused():
   from configs import fra_eng
   saved = fra_eng.get_config("smoke")
-  config_lib.check_same_model(saved.to_json(), saved)  # Same model: fine.
+  workdir_lib.check_same_model(saved.to_json(), saved)  # Same model: fine.
   scanned = fra_eng.get_config("smoke")
   scanned.model.scan_layers = True
   scanned.vocab_size = 300
   with pytest.raises(config_lib.ConfigError, match="model.scan_layers, vocab_size differ"):
-    config_lib.check_same_model(saved.to_json(), scanned)
+    workdir_lib.check_same_model(saved.to_json(), scanned)
   averaged = fra_eng.get_config("smoke")
   averaged.ema_decay = 0.0 if saved.ema_decay else 0.99  # Checkpoints with(out) an average.
   with pytest.raises(config_lib.ConfigError, match="ema_decay differ"):
-    config_lib.check_same_model(saved.to_json(), averaged)
+    workdir_lib.check_same_model(saved.to_json(), averaged)
   averaged.ema_decay, saved.ema_decay = 0.99, 0.999  # Another decay: the same checkpoints.
-  config_lib.check_same_model(saved.to_json(), averaged)
+  workdir_lib.check_same_model(saved.to_json(), averaged)
 
 
 def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
@@ -75,12 +79,12 @@ def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   (tmp_path / "checkpoints" / "10").mkdir(parents=True)
   (tmp_path / "config.json").write_text(config.to_json())
   caplog.set_level("WARNING")
-  config_lib.checked_workdir(str(tmp_path), config)  # The same command: nothing to say.
+  Workdir(str(tmp_path)).check_resumable(config)  # The same command: nothing to say.
   config.grad_clip = 0.5  # Not a learning rate.
-  config_lib.checked_workdir(str(tmp_path), config)
+  Workdir(str(tmp_path)).check_resumable(config)
   assert "learning rates" not in caplog.text
   config.num_steps = 40  # The cosine now decays over 40 steps.
-  config_lib.checked_workdir(str(tmp_path), config)
+  Workdir(str(tmp_path)).check_resumable(config)
   assert ("num_steps=40 (the run's: 20), grad_clip=0.5 (the run's: 1.0): the learning rates "
           "from the checkpoint of step 10 on are not the ones the run was following"
           ) in caplog.text
@@ -90,10 +94,10 @@ def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   (tmp_path / "config.json").write_text(saved.to_json())
   config = fra_eng.get_config("smoke")
   config.schedule, config.num_steps = "rsqrt", 40
-  config_lib.checked_workdir(str(tmp_path), config)
+  Workdir(str(tmp_path)).check_resumable(config)
   assert "learning rates" not in caplog.text
   config.learning_rate *= 2
-  config_lib.checked_workdir(str(tmp_path), config)
+  Workdir(str(tmp_path)).check_resumable(config)
   assert "learning_rate=0.002 (the run's: 0.001)" in caplog.text
 
 
@@ -101,5 +105,5 @@ def test_a_damaged_config_json_of_a_resumed_run_is_one_error(tmp_path):
   from configs import fra_eng
   (tmp_path / "checkpoints" / "10").mkdir(parents=True)
   (tmp_path / "config.json").write_text('{"dataset": "fra_')  # Cut short.
-  with pytest.raises(config_lib.ConfigError, match=r"config.json is damaged \(Unterminated"):
-    config_lib.checked_workdir(str(tmp_path), fra_eng.get_config("smoke"))
+  with pytest.raises(WorkdirError, match=r"config.json is damaged \(Unterminated"):
+    Workdir(str(tmp_path)).check_resumable(fra_eng.get_config("smoke"))

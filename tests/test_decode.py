@@ -13,6 +13,8 @@ from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.generation import SPECIALS
 from transformer_jax.model import Transformer
 
+pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
+
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -10,6 +10,8 @@ from tests.conftest import tiny_model_config
 from transformer_jax.model import (Transformer, TransformerConfig, sinusoidal_positions,
                                    tied_logits)
 
+pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
+
 
 def _params(cfg, src, tgt):
   # Jitted: op by op, initialising even the tiny model takes 15 s on 2 cores.
@@ -171,7 +173,7 @@ def test_tied_logits_custom_gradient_equals_autodiff():
 
 
 def test_auto_attention_picks_xla_off_gpu_and_keeps_an_explicit_choice():
-  from transformer_jax.config import attention_impl
+  from transformer_jax.sections import attention_impl
   expected = "cudnn" if jax.default_backend() == "gpu" else "xla"
   assert attention_impl("auto", "bfloat16", 64) == expected
   assert attention_impl("auto", "float32", 64) == "xla"  # cuDNN's fused kernel: 16-bit only.

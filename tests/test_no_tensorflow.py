@@ -67,7 +67,7 @@ def test_train_and_translate_run_without_tensorflow(tmp_path):
   assert {"train/loss", "eval/loss", "eval/bleu"} <= _scalar_tags(events)
 
   translate = subprocess.run(
-      python + ["-m", "transformer_jax.translate", "--workdir", str(workdir), "I lost."],
+      python + ["-m", "transformer_jax", "translate", "--workdir", str(workdir), "I lost."],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert translate.returncode == 0, translate.stderr[-3000:]
   assert "Restored step 3" in translate.stderr

@@ -19,12 +19,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import train
 from tests.conftest import DATA, ROOT
-from transformer_jax import checkpoint, config as config_lib, train_lib
+from transformer_jax import checkpoint, train_lib, trainer
 from transformer_jax.average import state_of
-from transformer_jax.data.tokenizer import Tokenizers
-from transformer_jax.generation import InferenceError
+from transformer_jax.workdir import Workdir, WorkdirError
 from transformer_jax.translator import Translator
 
 NUM_STEPS = 30
@@ -169,13 +167,13 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
                       num_bleu_sentences=0, num_steps=20, num_workers="0")
   stop = smoke_config.copy_and_resolve_references()
   with pytest.raises(train_lib.NonFiniteError, match="non-finite loss or gradients at step 13"):
-    train.train_and_evaluate(stop, str(tmp_path / "stop"))
+    trainer.train_and_evaluate(stop, str(tmp_path / "stop"))
   # The checkpoint of step 15 would hold the state after the dropped step 13: never written.
   assert _finite_checkpoints(tmp_path / "stop") == [5, 10]
 
   skip = smoke_config.copy_and_resolve_references()
   skip.nonfinite = "skip"
-  state = train.train_and_evaluate(skip, str(tmp_path / "skip"))
+  state = trainer.train_and_evaluate(skip, str(tmp_path / "skip"))
   assert int(state.step) == 20
   assert _finite_checkpoints(tmp_path / "skip") == [15, 20]
   records = {r["step"]: r for r in _train_records(tmp_path / "skip")}
@@ -187,7 +185,7 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
   burst.update(nonfinite="skip", max_nonfinite_in_row=3, nan_at_step=0, learning_rate=1e38,
                warmup_steps=0, grad_clip=0.0)
   with pytest.raises(train_lib.NonFiniteError, match="3 non-finite steps in a row"):
-    train.train_and_evaluate(burst, str(tmp_path / "burst"))
+    trainer.train_and_evaluate(burst, str(tmp_path / "burst"))
 
 
 def _damage(step_dir, kind, every_chunk=False):
@@ -211,7 +209,7 @@ def _damage(step_dir, kind, every_chunk=False):
 
 def _restore_latest(config, workdir):
   """What train.py does at start-up: restore the newest checkpoint that verifies."""
-  state, shardings = state_of(config, Tokenizers.load(workdir))
+  state, shardings = state_of(Workdir(workdir).open())
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 10, 3)
   try:
     return ckpt.restore_latest(state, shardings)
@@ -250,7 +248,7 @@ def test_training_resumes_from_the_last_good_checkpoint(tmp_path, trained, caplo
   _damage(workdir / "checkpoints" / "20", "changed bytes", every_chunk=True)
   caplog.set_level("INFO")
   # The same command again (the same num_steps: the recipe's cosine schedule depends on it).
-  state = train.train_and_evaluate(config.copy_and_resolve_references(), str(workdir))
+  state = trainer.train_and_evaluate(config.copy_and_resolve_references(), str(workdir))
   assert int(state.step) == 20
   assert "The checkpoint of step 20" in caplog.text and "damaged" in caplog.text
   assert "Resuming from the checkpoint of step 10" in caplog.text
@@ -268,9 +266,9 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
   shutil.copytree(source, workdir)
   for step in (10, 20):
     _damage(workdir / "checkpoints" / str(step), "changed bytes", every_chunk=True)
-  with pytest.raises(InferenceError, match=r"every checkpoint in .* is damaged"):
+  with pytest.raises(checkpoint.CheckpointDamagedError, match=r"every checkpoint in .* is damaged"):
     Translator(workdir)
-  proc = subprocess.run([sys.executable, "-m", "transformer_jax.translate", "--workdir",
+  proc = subprocess.run([sys.executable, "-m", "transformer_jax", "translate", "--workdir",
                          str(workdir), "Go."], cwd=ROOT, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 1
@@ -284,8 +282,8 @@ def test_num_steps_below_the_latest_checkpoint_is_an_error(trained):
   config = config.copy_and_resolve_references()
   config.num_steps = 15
   before = (source / "metrics.jsonl").read_text()
-  with pytest.raises(config_lib.ConfigError, match=r"num_steps=15 is below the latest "
+  with pytest.raises(WorkdirError, match=r"num_steps=15 is below the latest "
                      r"checkpoint's step \(20\)"):
-    train.train_and_evaluate(config, str(source))
+    trainer.train_and_evaluate(config, str(source))
   assert (source / "metrics.jsonl").read_text() == before
   assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["10", "20"]

@@ -6,10 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-import train
+from transformer_jax import metrics, trainer
 from tests.conftest import DATA, ROOT
-from transformer_jax import metrics
-from transformer_jax.generation import DecodeOptions, InferenceError
+from transformer_jax.generation import DecodeOptions
+from transformer_jax.workdir import WorkdirError
 from transformer_jax.translator import Translator
 
 
@@ -21,7 +21,7 @@ def d2l_workdir(tmp_path_factory, tfds_dir):
   config.data_dir = str(DATA / "fra-eng")
   config.tfds_dir = tfds_dir
   workdir = tmp_path_factory.mktemp("d2l")
-  train.train_and_evaluate(config, str(workdir))
+  trainer.train_and_evaluate(config, str(workdir))
   return workdir
 
 
@@ -38,7 +38,7 @@ def test_d2l_tiny_reproduces_the_chapters_table(d2l_workdir):
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "transformer_jax.translate", *args], cwd=ROOT,
+  return subprocess.run([sys.executable, "-m", "transformer_jax", "translate", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
 
 
@@ -62,7 +62,7 @@ def test_split_is_translated_and_scored_against_its_targets(d2l_workdir, tmp_pat
   assert result.returncode == 0, result.stderr[-2000:]
   hypotheses = (tmp_path / "out.txt").read_text().splitlines()
   # The same sentences translated here, in order, and scored against the split's targets.
-  from transformer_jax.translate import translate_lines
+  from transformer_jax.translator import translate_lines
   assert hypotheses == translate_lines(Translator(d2l_workdir), [s for s, _ in pairs],
                                        DecodeOptions(beam_size=1), 64, progress=False)
   score, _ = metrics.corpus_bleu(hypotheses, [t for _, t in pairs])
@@ -124,7 +124,7 @@ def test_a_long_source_is_translated_sentence_by_sentence(d2l_workdir, tmp_path)
 
 def test_long_sources_are_decoded_with_the_long_beam(d2l_workdir, fra_eng_builder, tmp_path):
   from transformer_jax.data import sources
-  from transformer_jax.translate import translate_lines
+  from transformer_jax.translator import translate_lines
   translator = Translator(d2l_workdir)
   lines = [s for s, _ in sources.pairs(fra_eng_builder, "fra_eng", "validation[:160]")]
   over = 4  # Beam 4 and greedy differ on some of these of 4 tokens (with <eos>) and of 5.
@@ -163,7 +163,7 @@ def test_empty_lines_translate_to_empty_lines_in_place(d2l_workdir, tmp_path):
 
 def test_visualize_refuses_an_out_that_is_a_file(d2l_workdir, tmp_path):
   (tmp_path / "taken").write_text("keep me")
-  result = subprocess.run([sys.executable, "-m", "transformer_jax.visualize", "--workdir",
+  result = subprocess.run([sys.executable, "-m", "transformer_jax", "visualize", "--workdir",
                            str(d2l_workdir), "--out", str(tmp_path / "taken"), "I lost."],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
@@ -175,7 +175,7 @@ def test_visualize_refuses_an_out_that_is_a_file(d2l_workdir, tmp_path):
 def test_missing_checkpoint_and_corrupt_tokenizer(d2l_workdir, tmp_path):
   empty = tmp_path / "empty"
   empty.mkdir()
-  with pytest.raises(InferenceError, match="no config.json"):
+  with pytest.raises(WorkdirError, match="no config.json"):
     Translator(empty)
   broken = tmp_path / "broken"
   shutil.copytree(d2l_workdir, broken)
@@ -184,7 +184,7 @@ def test_missing_checkpoint_and_corrupt_tokenizer(d2l_workdir, tmp_path):
     Translator(broken)
   shutil.rmtree(broken / "checkpoints")
   (broken / "vocab.json").write_text((d2l_workdir / "vocab.json").read_text())
-  with pytest.raises(InferenceError, match="no checkpoints"):
+  with pytest.raises(WorkdirError, match="no checkpoints"):
     Translator(broken)
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import train
+from transformer_jax import sections, trainer
 from tests.conftest import DATA, ROOT
-from transformer_jax import config as config_lib
 from transformer_jax.data import pipeline
 from transformer_jax.data.packing import NoPairsError
 
@@ -58,7 +57,7 @@ def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp
   # The tokenizer a run with another vocabulary size fits on the same data.
   other = config.copy_and_resolve_references()
   other.vocab_size = 1000
-  pipeline.prepare(config_lib.data_config(other), tmp_path / "other")
+  pipeline.prepare(sections.data_config(other), tmp_path / "other")
   shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
   before = _tree_digest(workdir / "checkpoints")
 
@@ -70,14 +69,14 @@ def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp
   assert _tree_digest(workdir / "checkpoints") == before
 
   # The run kept a moving average: translate restores it (ema_params) in place of params.
-  translate = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.")
+  translate = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.")
   assert _one_error_line(translate).startswith(expected.replace("params.", "ema_params."))
   assert translate.stdout == ""
-  visualize = _run("-m", "transformer_jax.visualize", "--workdir", str(workdir), "--out",
+  visualize = _run("-m", "transformer_jax", "visualize", "--workdir", str(workdir), "--out",
                    str(tmp_path / "maps"), "Go.")
   assert _one_error_line(visualize).startswith(expected.replace("params.", "ema_params."))
   assert not (tmp_path / "maps").exists()
-  average = _run("-m", "transformer_jax.average", "--workdir", str(workdir), "--last", "2",
+  average = _run("-m", "transformer_jax", "average", "--workdir", str(workdir), "--last", "2",
                  "--output", str(tmp_path / "avg"))
   assert _one_error_line(average).startswith(
       f"error: the checkpoint of step 10 in {workdir / 'checkpoints'} is intact but was trained "
@@ -91,10 +90,10 @@ def test_translate_with_a_damaged_config_json_is_one_line(trained, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(source, workdir)
   (workdir / "config.json").write_text('{"model": ')
-  result = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.")
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.")
   assert _one_error_line(result).startswith(
       f"error: {workdir / 'config.json'} is damaged (Expecting value")
-  result = _run("-m", "transformer_jax.average", "--workdir", str(workdir), "--output",
+  result = _run("-m", "transformer_jax", "average", "--workdir", str(workdir), "--output",
                 str(tmp_path / "avg"))
   assert _one_error_line(result).startswith(f"error: {workdir / 'config.json'} is damaged")
 
@@ -105,7 +104,7 @@ def test_an_empty_input_with_a_reference_is_one_line(trained, tmp_path):
   (tmp_path / "blank.txt").write_text("\n  \n")
   for name in ("empty.txt", "blank.txt"):
     path = tmp_path / name
-    result = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "--input",
+    result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "--input",
                   str(path), "--reference", str(path), "--output", str(tmp_path / "out.txt"))
     assert _one_error_line(result) == (
         f"error: --input {path} holds no sentence: nothing to translate or score")
@@ -143,7 +142,7 @@ def test_an_evaluation_split_that_keeps_no_pair_fails_before_training(smoke_conf
                       train_split="train", eval_split="validation", num_workers="0",
                       num_bleu_sentences=0)
   with pytest.raises(NoPairsError, match=r"^the evaluation split leaves no pair to use: all 20"):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w" / "checkpoints").exists()
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
@@ -198,7 +197,7 @@ def test_a_workdir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
 
 def test_an_output_that_cannot_be_written_is_refused_before_translating(trained):
   _, workdir = trained
-  result = _run("-m", "transformer_jax.translate", "--workdir", str(workdir), "Go.",
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.",
                 "--output", "/sys/transformer_jax_out.txt")
   assert _one_error_line(result) == ("error: --output /sys/transformer_jax_out.txt cannot be "
                                      "written: Permission denied (in /sys)")
@@ -231,7 +230,7 @@ def test_the_shared_tokenizer_is_keyed_by_the_split_it_is_fitted_on(smoke_config
                       vocab_size=100, num_workers="0")
   for split in ("train[:40]", "train"):
     smoke_config.train_split = split
-    cfg = config_lib.data_config(smoke_config)
+    cfg = sections.data_config(smoke_config)
     pipeline.prepare(cfg, tmp_path / split)
   # One tokenizer each, not the first one reused for the full split.
   assert len(list(cfg.cache_root.glob("tokenizer-*"))) == 2
@@ -262,7 +261,7 @@ def test_a_parallel_tsv_line_with_a_third_column_is_named(smoke_config, tmp_path
                       train_split="train", eval_split="validation")
   with pytest.raises(DatasetError, match=r"train.tsv line 2 has 3 tab-separated fields; each "
                      r"line is 'source<TAB>target'"):
-    train.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -279,7 +278,7 @@ def test_translate_refuses_to_overwrite_its_input_and_a_negative_alpha(tmp_path,
   src.write_text("Go.\n")
   ref.write_text("Va !\n")
   fill = lambda s: s.format(src=src, ref=ref)
-  result = _run("-m", "transformer_jax.translate", "--workdir", str(tmp_path / "w"),
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(tmp_path / "w"),
                 *map(fill, flags))
   assert _one_error_line(result) == fill(message)
   assert src.read_text() == "Go.\n" and ref.read_text() == "Va !\n"

@@ -1,8 +1,8 @@
 """Compiles train.py's programs ahead of time for a named TPU topology or GPU target, on a host
 that has neither, and reports what they need of each chip.
 
-  python -m transformer_jax.aot --config configs/wmt14_base.py --topology v5e:2x4
-  python -m transformer_jax.aot --config configs/wmt14_big.py --topology h100:8 \\
+  python -m transformer_jax aot --config configs/wmt14_base.py --topology v5e:2x4
+  python -m transformer_jax aot --config configs/wmt14_big.py --topology h100:8 \\
       --config.mesh_shape="(2,4,1)" --json OUT/big_h100.json
 
 The programs are the ones train.py runs, built by the same library calls: the train state's
@@ -19,7 +19,7 @@ status is 0 when every program fits, 3 when one does not, 1 on bad input.
 The compilers come from plugins that a TPU or GPU host would have: libtpu, and jax's CUDA
 plugin. They are looked for in the Python path and in the directory `--plugins` (default
 $TRANSFORMER_JAX_AOT_PLUGINS, else ~/.cache/transformer_jax/aot-plugins), where
-`python -m transformer_jax.aot --install_plugins` puts the versions pinned for this jaxlib:
+`python -m transformer_jax aot --install_plugins` puts the versions pinned for this jaxlib:
 kept apart from the environment, they do not slow or clutter every other jax process.
 """
 
@@ -28,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import pickle
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from transformer_jax.errors import UserError
 
 PLUGINS_ENV = "TRANSFORMER_JAX_AOT_PLUGINS"
 DEFAULT_PLUGINS = Path.home() / ".cache" / "transformer_jax" / "aot-plugins"
@@ -57,7 +57,7 @@ SPECS = Path(__file__).resolve().parent / "gpu_specs"
 PROGRAMS = ("train", "eval", "decode")
 
 
-class AotError(ValueError):
+class AotError(UserError, ValueError):
   """A topology, mesh, batch or installation the compile cannot go on with."""
 
 
@@ -238,17 +238,18 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   `save_train_step`: also write the compiled train step there (see load_train_step)."""
   import jax
   import numpy as np
-  from transformer_jax import config as config_lib, flops as flops_lib, sharding, train_lib
+  from transformer_jax import (config as config_lib, flops as flops_lib, sections, sharding,
+                               train_lib)
   from transformer_jax.model import Transformer
 
-  config_lib.validate(config)
+  sections.validated(config)
   devices = target.devices()
   try:
-    mesh = config_lib.checked_mesh(config, devices)
+    mesh = sections.checked_mesh(config, devices)
   except config_lib.ConfigError as e:
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
   vocab = int(config.vocab_size)
-  model_cfg = config_lib.model_config(config, vocab, vocab, platform=target.platform)
+  model_cfg = sections.model_config(config, vocab, vocab, platform=target.platform)
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu":
     raise AotError(
         f"cuDNN's fused attention (model.attention_impl={config.model.attention_impl!r}: "
@@ -256,10 +257,10 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
         "compute capability while tracing it. Compile XLA's attention instead "
         "(--config.model.attention_impl=xla), which keeps the attention scores in memory")
   model = Transformer(model_cfg)
-  tx = train_lib.make_optimizer(config_lib.optimizer_config(config))
+  tx = train_lib.make_optimizer(sections.optimizer_config(config))
   state, state_shardings = train_lib.abstract_train_state(
       model, tx, mesh, config.max_len, ema=config.ema_decay > 0)
-  step_cfg = config_lib.step_config(config)
+  step_cfg = sections.step_config(config)
   p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, step_cfg)
   n = len(devices)
   report = {
@@ -423,73 +424,3 @@ def format_report(report: dict) -> str:
                  f" + temps {_size(p['temp_size_in_bytes'])} = {_size(p['total_bytes'])}: "
                  f"{verdict}{flops}; collectives: {coll}; compiled in {p['compile_seconds']} s")
   return "\n".join(lines)
-
-
-def main(argv):
-  from absl import flags
-  from transformer_jax import config as config_lib
-  F = flags.FLAGS
-  try:
-    if len(argv) > 1:
-      raise AotError(f"unexpected arguments {argv[1:]}")
-    if F.install_plugins:
-      command = install_command("all", plugins_dir(F.plugins))
-      print(command)
-      sys.exit(subprocess.call(command.split()))
-    if F.config is None or not F.topology:
-      raise AotError("--config and --topology are required")
-    programs = [p.strip() for p in F.programs.split(",") if p.strip()]
-    unknown = sorted(set(programs) - set(PROGRAMS))
-    if unknown or not programs:
-      raise AotError(f"--programs {F.programs!r}: choose from {', '.join(PROGRAMS)}")
-    if F.json:
-      from transformer_jax import fs
-      fs.check_writable(F.json, "--json")
-    target = Target.parse(F.topology, F.num_slices)
-    if F.save_train_step:
-      if "train" not in programs:
-        raise AotError("--save_train_step needs the train program in --programs")
-      from transformer_jax import fs
-      fs.check_writable(F.save_train_step, "--save_train_step")
-    report = compile_report(F.config, target, programs,
-                            progress=lambda s: print(s, file=sys.stderr, flush=True),
-                            save_train_step=F.save_train_step)
-  except (AotError, config_lib.ConfigError, OSError) as e:
-    sys.exit(f"error: {e}")
-  report["config"] = F["config"].value if hasattr(F["config"], "value") else None
-  print(format_report(report))
-  if F.json:
-    Path(F.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-  if not report["fits"]:
-    too_big = [k for k, p in report["programs"].items() if not p["fits"]]
-    print(f"error: {', '.join(too_big)} does not fit in {report['chip']}'s "
-          f"{report['hbm_bytes_per_device'] / GIB:.2f} GiB per device", file=sys.stderr)
-    sys.exit(3)
-
-
-def define_flags():
-  from absl import flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
-  flags.DEFINE_string("topology", None, "Target: a TPU topology (v5e:2x4, v4:2x2x2, v5p:2x2x2) "
-                      "or GPUs (h100:8, a100:8, h100:2x8 for 2 hosts of 8).")
-  flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice), each of --topology.")
-  flags.DEFINE_string("programs", ",".join(PROGRAMS), "Which programs to compile.")
-  flags.DEFINE_string("json", None, "Write the report here as JSON.")
-  flags.DEFINE_string("plugins", None, f"Directory of the compiler plugins (default: ${PLUGINS_ENV}"
-                      f" or {DEFAULT_PLUGINS}).")
-  flags.DEFINE_string("save_train_step", None, "Also write the compiled train step here, for "
-                      "train.py --config.compiled_train_step on the target.")
-  flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
-                    "--plugins and exit.")
-
-
-if __name__ == "__main__":
-  # Before jax is imported: it reads JAX_PLATFORMS and looks for CUDA's version module once.
-  prepare_environment()
-  use_plugins(plugins_dir(next((a.split("=", 1)[1] for a in sys.argv
-                                if a.startswith("--plugins=")), None)))
-  from absl import app
-  from transformer_jax import launch
-  define_flags()
-  app.run(main, flags_parser=launch.parse_flags)

@@ -15,17 +15,18 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from transformer_jax import sharding
+from transformer_jax.errors import UserError
 
 
-class CheckpointNotFoundError(FileNotFoundError):
+class CheckpointNotFoundError(UserError, FileNotFoundError):
   pass
 
 
-class CheckpointDamagedError(RuntimeError):
+class CheckpointDamagedError(UserError, RuntimeError):
   """No checkpoint of a directory could be read back and verified."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
   """A checkpoint that reads back but holds other arrays (names or shapes) than the model it
   is restored into: the checkpoint is intact, the model (its config or tokenizer) differs."""
 

@@ -2,171 +2,90 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
 import ml_collections
-import numpy as np
-from absl import logging
 
-from transformer_jax.model import TransformerConfig
+from transformer_jax.errors import UserError
 
 SCHEDULES = ("rsqrt", "cosine", "constant")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A config field holds a value the trainer cannot use."""
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
   if not ok:
     raise ConfigError(message)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad field; compiles and reads nothing."""
-  from transformer_jax.data.sources import DATASETS  # tfds loads here, not on import.
-  _check(config.dataset in DATASETS,
-         f"dataset={config.dataset!r} is unknown; choose one of {sorted(DATASETS)}")
   if config.data_dir:
-    _check(Path(config.data_dir).is_dir(), f"data_dir={config.data_dir!r} is not a directory")
+    check(Path(config.data_dir).is_dir(), f"data_dir={config.data_dir!r} is not a directory")
   if config.compiled_train_step:
-    _check(Path(config.compiled_train_step).is_file(),
+    check(Path(config.compiled_train_step).is_file(),
            f"compiled_train_step={config.compiled_train_step!r} is not a file")
-  _check(config.tokenizer in ("sentencepiece", "word"),
+  check(config.tokenizer in ("sentencepiece", "word"),
          f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'word'")
-  _check(config.overlong in ("drop", "truncate"),
+  check(config.overlong in ("drop", "truncate"),
          f"overlong={config.overlong!r} must be 'drop' or 'truncate'")
-  _check(config.max_len >= 2, f"max_len={config.max_len} must be at least 2")
-  _check(config.num_workers == "auto" or (str(config.num_workers).isdigit()),
+  check(config.max_len >= 2, f"max_len={config.max_len} must be at least 2")
+  check(config.num_workers == "auto" or (str(config.num_workers).isdigit()),
          f"num_workers={config.num_workers!r} must be 'auto' or a count >= 0")
   for field in ("batch_size", "tokenizer_sample", "eval_batch_size", "num_steps", "log_every",
                 "eval_every", "checkpoint_every", "keep_checkpoints"):
-    _check(config[field] > 0, f"{field}={config[field]} must be positive")
-  _check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
-  _check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
-  _check(config.warmup_steps >= 0, f"warmup_steps={config.warmup_steps} must be >= 0 (0: none)")
-  _check(config.grad_clip >= 0,
+    check(config[field] > 0, f"{field}={config[field]} must be positive")
+  check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
+  check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
+  check(config.warmup_steps >= 0, f"warmup_steps={config.warmup_steps} must be >= 0 (0: none)")
+  check(config.grad_clip >= 0,
          f"grad_clip={config.grad_clip} must be >= 0 (a gradient-norm bound; 0: no clipping)")
-  _check(config.weight_decay >= 0, f"weight_decay={config.weight_decay} must be >= 0")
-  _check(0 <= config.adam_b1 < 1 and 0 <= config.adam_b2 < 1 and config.adam_eps >= 0,
+  check(config.weight_decay >= 0, f"weight_decay={config.weight_decay} must be >= 0")
+  check(0 <= config.adam_b1 < 1 and 0 <= config.adam_b2 < 1 and config.adam_eps >= 0,
          f"adam_b1={config.adam_b1}, adam_b2={config.adam_b2} must be in [0, 1) and "
          f"adam_eps={config.adam_eps} >= 0")
-  _check(config.nonfinite in ("stop", "skip"),
+  check(config.nonfinite in ("stop", "skip"),
          f"nonfinite={config.nonfinite!r} must be 'stop' or 'skip'")
-  _check(config.max_nonfinite_in_row > 0,
+  check(config.max_nonfinite_in_row > 0,
          f"max_nonfinite_in_row={config.max_nonfinite_in_row} must be positive")
-  _check(config.nan_at_step >= 0, f"nan_at_step={config.nan_at_step} must be >= 0 (0: never)")
-  _check(config.grad_accum_steps > 0 and config.batch_size % config.grad_accum_steps == 0,
+  check(config.nan_at_step >= 0, f"nan_at_step={config.nan_at_step} must be >= 0 (0: never)")
+  check(config.grad_accum_steps > 0 and config.batch_size % config.grad_accum_steps == 0,
          f"grad_accum_steps={config.grad_accum_steps} must be positive and divide "
          f"batch_size={config.batch_size} (the rows of one optimizer step)")
-  _check(config.loss_chunks > 0 and config.max_len % config.loss_chunks == 0,
+  check(config.loss_chunks > 0 and config.max_len % config.loss_chunks == 0,
          f"loss_chunks={config.loss_chunks} must be positive and divide max_len={config.max_len}")
-  _check(0 <= config.concat_prob < 1,
+  check(0 <= config.concat_prob < 1,
          f"concat_prob={config.concat_prob} must be in [0, 1) (0: no concatenation)")
-  _check(config.concat_max >= 1, f"concat_max={config.concat_max} must be at least 1 (pairs)")
-  _check(0 <= config.ema_decay < 1,
+  check(config.concat_max >= 1, f"concat_max={config.concat_max} must be at least 1 (pairs)")
+  check(0 <= config.ema_decay < 1,
          f"ema_decay={config.ema_decay} must be in [0, 1) (0: no moving average)")
-  _check(0 <= config.label_smoothing < 1,
+  check(0 <= config.label_smoothing < 1,
          f"label_smoothing={config.label_smoothing} must be in [0, 1)")
-  _check(len(config.mesh_shape) == 3,
+  check(len(config.mesh_shape) == 3,
          f"mesh_shape={tuple(config.mesh_shape)} must have 3 entries (data, fsdp, tensor)")
   d = config.decode
-  _check(d.beam_size >= 1, f"decode.beam_size={d.beam_size} must be at least 1 (1: greedy)")
-  _check(d.alpha >= 0, f"decode.alpha={d.alpha} must be >= 0 (0: no length penalty)")
-  _check(d.segment_over >= -1, f"decode.segment_over={d.segment_over} must be -1 (split none), "
+  check(d.beam_size >= 1, f"decode.beam_size={d.beam_size} must be at least 1 (1: greedy)")
+  check(d.alpha >= 0, f"decode.alpha={d.alpha} must be >= 0 (0: no length penalty)")
+  check(d.segment_over >= -1, f"decode.segment_over={d.segment_over} must be -1 (split none), "
          "0 (all) or positive")
-  _check(d.long_beam_size >= 0 and d.long_over >= 0,
+  check(d.long_beam_size >= 0 and d.long_over >= 0,
          f"decode.long_beam_size={d.long_beam_size} and decode.long_over={d.long_over} must be "
          ">= 0")
   m = config.model
   for field in ("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers"):
-    _check(isinstance(m[field], int) and m[field] > 0,
+    check(isinstance(m[field], int) and m[field] > 0,
            f"model.{field}={m[field]!r} must be a positive integer")
-  _check(m.d_model % m.num_heads == 0,
+  check(m.d_model % m.num_heads == 0,
          f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
-  _check(m.d_model % 2 == 0, f"model.d_model={m.d_model} must be even (sinusoidal positions)")
-  _check(0 <= m.dropout_rate < 1, f"model.dropout_rate={m.dropout_rate} must be in [0, 1)")
-  _check(m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} must be float32 or bfloat16")
-  _check(m.attention_impl in ("auto", "xla", "cudnn"),
+  check(m.d_model % 2 == 0, f"model.d_model={m.d_model} must be even (sinusoidal positions)")
+  check(0 <= m.dropout_rate < 1, f"model.dropout_rate={m.dropout_rate} must be in [0, 1)")
+  check(m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} must be float32 or bfloat16")
+  check(m.attention_impl in ("auto", "xla", "cudnn"),
          f"model.attention_impl={m.attention_impl!r} must be auto, xla or cudnn")
-  _check(not m.share_embeddings or config.tokenizer == "sentencepiece",
+  check(not m.share_embeddings or config.tokenizer == "sentencepiece",
          "model.share_embeddings needs the joint sentencepiece tokenizer")
-
-
-def checked_mesh(config: ml_collections.ConfigDict, devices=None):
-  """The device mesh of `mesh_shape` over `devices` (default: all of this run's), after
-  checking that they make it and that the batch sizes split over its data-parallel axes."""
-  from transformer_jax import sharding
-  import jax
-  try:
-    mesh = sharding.make_mesh(config.mesh_shape, devices)
-  except ValueError as e:
-    platform = devices[0].platform if devices else jax.default_backend()
-    raise ConfigError(f"{e} ({platform})") from None
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-  for field in ("batch_size", "eval_batch_size"):
-    _check(config[field] % data_parallel == 0,
-           f"{field}={config[field]} does not split over the mesh's {data_parallel} "
-           "data-parallel devices (data x fsdp); use a multiple of it")
-  micro = config.batch_size // config.grad_accum_steps
-  _check(micro % data_parallel == 0,
-         f"batch_size={config.batch_size} / grad_accum_steps={config.grad_accum_steps} = {micro} "
-         f"rows a microbatch do not split over the mesh's {data_parallel} data-parallel devices")
-  return mesh
-
-
-def padded_vocab(size: int, multiple: int = 128) -> int:
-  """Vocabulary rounded up so that it splits evenly over tensor-parallel devices."""
-  return -(-size // multiple) * multiple
-
-
-def attention_impl(requested: str, dtype: str, head_dim: int, platform: str | None = None) -> str:
-  """`auto` picks cuDNN's fused attention where it applies (an NVIDIA GPU, bfloat16, head dim a
-  multiple of 8 up to 128) and XLA's otherwise. `platform`: the one the program is compiled
-  for ("gpu", "tpu", "cpu"); default: this process's backend."""
-  if requested != "auto":
-    return requested
-  if platform is None:
-    import jax  # Only the backend's name is read.
-    platform = jax.default_backend()
-  cudnn_ok = (platform in ("gpu", "cuda") and dtype == "bfloat16"
-              and head_dim % 8 == 0 and head_dim <= 128)
-  return "cudnn" if cudnn_ok else "xla"
-
-
-def model_config(config: ml_collections.ConfigDict, src_vocab: int, tgt_vocab: int,
-                 platform: str | None = None) -> TransformerConfig:
-  """The frozen model config; `platform` as in attention_impl."""
-  fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-  kwargs = config.model.to_dict()
-  unknown = sorted(set(kwargs) - fields)
-  _check(not unknown, f"model.{unknown[0] if unknown else ''} is not a model field")
-  kwargs["attention_impl"] = attention_impl(kwargs["attention_impl"], kwargs["dtype"],
-                                            kwargs["d_model"] // kwargs["num_heads"], platform)
-  return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
-                           tgt_vocab_size=padded_vocab(tgt_vocab), **kwargs)
-
-
-def data_config(config: ml_collections.ConfigDict):
-  """The data path's fields as a frozen pipeline.DataConfig."""
-  from transformer_jax.data.pipeline import DataConfig, resolve_workers
-  fields = {f.name for f in dataclasses.fields(DataConfig)} - {"num_workers"}
-  return DataConfig(num_workers=resolve_workers(config.num_workers),
-                    **{k: config[k] for k in sorted(fields)})
-
-
-def optimizer_config(config: ml_collections.ConfigDict):
-  """The optimizer's fields as a frozen train_lib.OptimizerConfig."""
-  from transformer_jax.train_lib import OptimizerConfig
-  return OptimizerConfig(**{f.name: config[f.name] for f in dataclasses.fields(OptimizerConfig)})
-
-
-def step_config(config: ml_collections.ConfigDict):
-  """The train and eval steps' fields as a frozen train_lib.StepConfig."""
-  from transformer_jax.train_lib import StepConfig
-  return StepConfig(**{f.name: config[f.name] for f in dataclasses.fields(StepConfig)})
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -256,7 +175,7 @@ def variants(arg: str | None, known: tuple[str, ...]) -> set[str]:
   """
   given = [a.strip() for a in (arg or "").split(",") if a.strip()]
   unknown = [a for a in given if a not in known]
-  _check(not unknown, f"unknown config variant {unknown[0] if unknown else ''!r}; this config "
+  check(not unknown, f"unknown config variant {unknown[0] if unknown else ''!r}; this config "
          f"knows {', '.join(repr(k) for k in known)} (configs/NAME.py:VARIANT)")
   return set(given)
 
@@ -277,85 +196,7 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
-def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError if a workdir's saved config describes another model (a resumed run
-  must not restore, say, unscanned parameters into a scanned model)."""
-  saved_config = json.loads(saved_json)
-  saved, current = saved_config.get("model", {}), config.model.to_dict()
-  changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-  fields = ("dataset", "tokenizer", "vocab_size")
-  changed += [k for k in fields if saved_config.get(k) != config[k]]
-  if bool(saved_config.get("ema_decay", 0)) != bool(config.ema_decay):
-    changed.append("ema_decay")  # The checkpoints hold a moving average or do not.
-  fields += ("ema_decay",)
-  _check(not changed, "the workdir's checkpoints are of another model: "
-         + ", ".join(f"{'' if k in fields else 'model.'}{k}" for k in changed)
-         + " differ from its config.json")
-
-
-def _warn_if_the_learning_rates_move(saved_json: str, config: ml_collections.ConfigDict,
-                                     from_step: int) -> None:
-  """Logs a warning when the run resumed from `from_step` would follow other learning rates
-  than the one in the workdir's config.json (say, a cosine schedule, which spans num_steps,
-  with another num_steps): allowed, as extending a run is, but not silently."""
-  from transformer_jax.train_lib import OptimizerConfig, learning_rate_schedule
-  saved = json.loads(saved_json)
-  names = [f.name for f in dataclasses.fields(OptimizerConfig)]
-  before = optimizer_config(ml_collections.ConfigDict(
-      {k: saved.get(k, config[k]) for k in names}))  # A field the run predates: as now.
-  after = optimizer_config(config)
-  steps = np.arange(from_step, min(before.num_steps, after.num_steps) + 1)
-  if np.array_equal(learning_rate_schedule(before)(steps), learning_rate_schedule(after)(steps)):
-    return
-  changed = ", ".join(f"{k}={getattr(after, k)!r} (the run's: {getattr(before, k)!r})"
-                      for k in names if getattr(before, k) != getattr(after, k))
-  logging.warning("%s: the learning rates from the checkpoint of step %d on are not the ones "
-                  "the run was following", changed, from_step)
-
-
 def decode_defaults(saved: ml_collections.ConfigDict) -> dict:
   """The decoding settings a workdir's run was configured with (its config.json's `decode`),
   each missing one (a run older than the section) taken from base_config."""
   return {**base_config().decode.to_dict(), **saved.get("decode", {})}
-
-
-def load_saved(workdir: str | Path) -> ml_collections.ConfigDict:
-  """The config a workdir's run was trained with (its config.json).
-
-  Raises:
-    ConfigError: the workdir holds no config.json, or a damaged one.
-  """
-  path = Path(workdir) / "config.json"
-  if not path.is_file():
-    raise ConfigError(f"{workdir} holds no config.json: not a training workdir")
-  try:
-    saved = json.loads(path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ConfigError(f"{path} is damaged ({e}); restore it from a copy") from None
-  if not isinstance(saved, dict):
-    raise ConfigError(f"{path} is damaged (not a JSON object); restore it from a copy")
-  return ml_collections.ConfigDict(saved)
-
-
-def checked_workdir(workdir: str, config: ml_collections.ConfigDict) -> Path:
-  """The workdir as a Path, after the checks a resumed run needs (nothing is created)."""
-  if not str(workdir).strip():
-    raise ConfigError("--workdir is empty; name a directory for the run")
-  workdir = Path(workdir)
-  if workdir.exists() and not workdir.is_dir():
-    raise ConfigError(f"--workdir {workdir} is a file, not a directory")
-  steps = [int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
-  if steps and (workdir / "config.json").exists():
-    saved_json = (workdir / "config.json").read_text()
-    try:
-      json.loads(saved_json)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"{workdir / 'config.json'} is damaged ({e}); restore it from a copy "
-                        "or start a new workdir") from None
-    check_same_model(saved_json, config)
-    _warn_if_the_learning_rates_move(saved_json, config, max(steps))
-  if steps and max(steps) > config.num_steps:
-    raise ConfigError(
-        f"num_steps={config.num_steps} is below the latest checkpoint's step ({max(steps)}) in "
-        f"{workdir / 'checkpoints'}; raise num_steps to train on, or use a new workdir")
-  return workdir

@@ -6,8 +6,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from transformer_jax.errors import UserError
 
-class NotWritableError(OSError):
+
+class NotWritableError(UserError, OSError):
   """A file or directory a command is to write cannot be written."""
 
   def __str__(self) -> str:

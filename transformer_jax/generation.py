@@ -10,13 +10,14 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import decode
+from transformer_jax.errors import UserError
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.model import Transformer
 
 SPECIALS = decode.Specials(bos=BOS, eos=EOS, pad=PAD)
 
 
-class InferenceError(ValueError):
+class InferenceError(UserError, ValueError):
   """The workdir, checkpoint or input cannot be used."""
 
 

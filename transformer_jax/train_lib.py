@@ -16,6 +16,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 from transformer_jax import sharding
+from transformer_jax.errors import UserError
 
 Batch = dict[str, jax.Array]
 
@@ -340,7 +341,7 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
   return new_state, metrics
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
   """Training met non-finite losses it was told not to go on with."""
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
+from transformer_jax.errors import UserError
+
 FRA_ENG_URL = "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
 MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/{name}.gz"
 
@@ -32,7 +34,7 @@ def split_of(english: str) -> str:
   return "train" if bucket < 96 else ("validation" if bucket < 98 else "test")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
   """A raw corpus file that cannot be read as the dataset it should be."""
 
 

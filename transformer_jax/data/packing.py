@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from transformer_jax.errors import UserError
 from transformer_jax.data.tokenizer import BOS, EOS
 
 FEATURES = ("inputs", "inputs_segment_ids", "inputs_positions", "decoder_inputs", "targets",
@@ -175,7 +176,7 @@ class Selection:
   dropped: int
 
 
-class NoPairsError(ValueError):
+class NoPairsError(UserError, ValueError):
   """A split keeps no pair to train or evaluate on."""
 
 

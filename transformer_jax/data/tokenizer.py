@@ -15,6 +15,8 @@ from typing import Iterable, NamedTuple, Protocol
 
 import sentencepiece as spm
 
+from transformer_jax.errors import UserError
+
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 RESERVED = ("<pad>", "<bos>", "<eos>", "<unk>")
 SPM_FILE = "tokenizer.model"
@@ -123,7 +125,7 @@ class Tokenizers(NamedTuple):
     return None
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
   """A saved tokenizer file that cannot be loaded."""
 
 

@@ -7,7 +7,7 @@ import sys, time
 sys.argv = sys.argv[:1]
 import jax, numpy as np
 from ml_collections import config_flags
-from transformer_jax import config as config_lib, sharding, train_lib
+from transformer_jax import config as config_lib, sections, sharding, train_lib
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
@@ -18,13 +18,13 @@ config.data_dir = "../shared/data/fra-eng"
 import os
 for kv in os.environ.get("SETS", "").split():
   k, v = kv.split("="); config[k] = type(config[k])(v)
-mesh = config_lib.checked_mesh(config)
+mesh = sections.checked_mesh(config)
 workdir = pathlib.Path("/work/runs/rD")
-data = pipeline.prepare(config_lib.data_config(config), workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=True, wait_for_first_host=lambda: False)
-model = Transformer(config_lib.model_config(config, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size))
-state, sh = train_lib.create_train_state(model, train_lib.make_optimizer(config_lib.optimizer_config(config)), 0, mesh, config.max_len)
+data = pipeline.prepare(sections.data_config(config), workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=True, wait_for_first_host=lambda: False)
+model = Transformer(sections.model_config(config, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size))
+state, sh = train_lib.create_train_state(model, train_lib.make_optimizer(sections.optimizer_config(config)), 0, mesh, config.max_len)
 eval_data = pipeline.eval_batches(data.eval, batch_size=config.eval_batch_size, max_len=config.max_len, overlong=config.overlong, pack=config.packing, process_index=0, process_count=1)
-p_train, p_eval = train_lib.jit_steps(sh, mesh, config_lib.step_config(config))
+p_train, p_eval = train_lib.jit_steps(sh, mesh, sections.step_config(config))
 bleu = BleuEval(model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
 print("eval batches", len(eval_data), eval_data[0]["inputs"].shape if isinstance(eval_data[0], dict) else "")
 with sharding.mesh_context(mesh):

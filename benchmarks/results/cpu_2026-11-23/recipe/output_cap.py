@@ -7,7 +7,7 @@ import sys, time
 import numpy as np, sacrebleu, sentencepiece as spm
 from transformer_jax import translator as tr_mod
 from transformer_jax.generation import DecodeOptions, encode_sources
-from transformer_jax.translate import translate_lines, split_pairs
+from transformer_jax.translator import translate_lines, split_pairs
 from transformer_jax.translator import Translator
 
 ratio, beam, alpha, split = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]

@@ -4,7 +4,7 @@ Usage: [WORKDIR=/work/runs/rB] PYTHONPATH=. python benchmarks/results/cpu_2026-1
 import os
 import sys
 import numpy as np, sacrebleu, sentencepiece as spm
-from transformer_jax.translate import split_pairs
+from transformer_jax.translator import split_pairs
 W = os.environ.get('WORKDIR', '/work/runs/rB')
 lines, refs = split_pairs(W, 'validation')
 sp = spm.SentencePieceProcessor(model_file=W + '/tokenizer.model')

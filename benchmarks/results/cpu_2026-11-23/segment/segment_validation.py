@@ -16,7 +16,7 @@ import numpy as np
 import sacrebleu
 
 from transformer_jax.generation import DecodeOptions
-from transformer_jax.translate import split_pairs, translate_lines
+from transformer_jax.translator import split_pairs, translate_lines
 from transformer_jax.translator import Translator
 
 workdir, out = sys.argv[1], Path(sys.argv[2])

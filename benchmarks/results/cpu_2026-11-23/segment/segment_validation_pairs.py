@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import sacrebleu
 
-from transformer_jax import segment
+from transformer_jax import sentences
 from transformer_jax.generation import DecodeOptions
-from transformer_jax.translate import split_pairs, translate_lines
+from transformer_jax.translator import split_pairs, translate_lines
 from transformer_jax.translator import Translator
 
 workdir, whole_path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 lines, refs = split_pairs(workdir, "validation")
 whole = Path(whole_path).read_text().splitlines()
 translator = Translator(workdir, ema=False)
-multi = [i for i, line in enumerate(lines) if len(segment.sentences(line, "en")) > 1]
+multi = [i for i, line in enumerate(lines) if len(sentences.sentences(line, "en")) > 1]
 path = out / "pairs_multi.sentences.hyp"
 if not path.exists():
   hyps = translate_lines(translator, [lines[i] for i in multi],

@@ -10,13 +10,13 @@ import numpy as np
 import sacrebleu
 import sentencepiece as spm
 
-from transformer_jax import segment
+from transformer_jax import sentences
 
 D = "../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng."
 src = open(D + "eng").read().splitlines()
 ref = open(D + "fra").read().splitlines()
 n = np.array([len(x) + 1 for x in spm.SentencePieceProcessor(model_file=sys.argv[1]).encode(src)])
-multi = np.array([len(segment.sentences(s, "en")) > 1 for s in src])
+multi = np.array([len(sentences.sentences(s, "en")) > 1 for s in src])
 hyps = [open(p).read().splitlines() for p in sys.argv[2:]]
 print("| sources | pairs | " + " | ".join(p.rsplit("/", 1)[-1] for p in sys.argv[2:]) + " |")
 for name, m in [("all", n > 0), ("<= 16 tokens", n <= 16), ("17-32", (n > 16) & (n <= 32)),

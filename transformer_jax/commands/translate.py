@@ -1,9 +1,9 @@
 """Translates with a trained workdir's latest (or given) checkpoint.
 
-  python -m transformer_jax.translate --workdir runs/fra_eng "I lost." "I'm home."
-  python -m transformer_jax.translate --workdir runs/fra_eng --beam_size 4 \
+  python -m transformer_jax translate --workdir runs/fra_eng "I lost." "I'm home."
+  python -m transformer_jax translate --workdir runs/fra_eng --beam_size 4 \
       --input test.eng --output test.hyp --reference test.fra
-  python -m transformer_jax.translate --workdir runs/fra_eng --split validation
+  python -m transformer_jax translate --workdir runs/fra_eng --split validation
 
 `--split` translates a split of the workdir's own dataset (its config.json's dataset, data_dir
 and tfds_dir) and scores it against the split's targets: the validation BLEU recipes are
@@ -21,73 +21,15 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import dataclasses
-import logging as std_logging
-import sys
-from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path  # noqa: E402
 
-import tqdm
-from absl import app, flags, logging
+from absl import app, flags  # noqa: E402
 
-from transformer_jax import checkpoint, config as config_lib, fs, segment
-from transformer_jax.metrics import corpus_bleu
-from transformer_jax.generation import DecodeOptions, InferenceError
-from transformer_jax.translator import Translator
-
-
-def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
-                    batch_size: int, progress: bool = True, segment_over: int | None = None,
-                    long_beam: tuple[int, int] | None = None) -> list[str]:
-  """Translates many sentences, batched by similar length, in the input order; an empty (or
-  blank) line translates to an empty line. A line of more than `segment_over` tokens (with
-  <eos>) is translated sentence by sentence (segment.py); None: no line is split.
-  `long_beam` = (over, beam size): a line (or sentence of a split line) of more than `over`
-  tokens is decoded with that beam size instead of `options.beam_size`."""
-  numbers = owners = None
-  if segment_over is not None:
-    lengths = _token_lengths(translator, lines)
-    pieces, owners = segment.split_long(lines, lengths, segment_over, translator.src_lang)
-    numbers = [i + 1 for i in owners]
-  else:
-    pieces = lines
-  groups = [(range(len(pieces)), options)]
-  if long_beam is not None:
-    over, beam_size = long_beam
-    is_long = [n > over for n in _token_lengths(translator, pieces)]
-    groups = [([i for i, x in enumerate(is_long) if not x], options),
-              ([i for i, x in enumerate(is_long) if x],
-               dataclasses.replace(options, beam_size=beam_size))]
-  translations = _translate_each(translator, pieces, groups, batch_size, progress, numbers)
-  return translations if owners is None else segment.join(translations, owners, len(lines))
-
-
-def _token_lengths(translator: Translator, lines: list[str]) -> list[int]:
-  """Source tokens of each line, with <eos>."""
-  return [len(ids) + 1 for ids in translator.tokenizers.src.encode(lines)]
-
-
-def _translate_each(translator: Translator, lines: list[str],
-                    groups: list[tuple[Sequence[int], DecodeOptions]], batch_size: int,
-                    progress: bool, numbers: list[int] | None = None) -> list[str]:
-  """Translates the lines of each group (their indices) with the group's options.
-  `numbers`: each line's number in warnings (default: its index + 1)."""
-  numbers = numbers or list(range(1, len(lines) + 1))
-  batches = []
-  for indices, options in groups:
-    order = sorted((i for i in indices if lines[i].strip()), key=lambda i: len(lines[i]))
-    batches += [(order[i:i + batch_size], options) for i in range(0, len(order), batch_size)]
-  out = [""] * len(lines)
-  for batch, options in tqdm.tqdm(batches, desc="translating", unit="batch",
-                                  disable=not progress):
-    # Pad the batch to a full one so that every batch shares the compiled shape.
-    sentences = [lines[i] for i in batch]
-    pad = batch_size - len(batch)
-    results = translator.translate(sentences + sentences[:1] * pad, options,
-                                   numbers=[numbers[i] for i in batch] + [numbers[batch[0]]] * pad)
-    for i, text in zip(batch, results):
-      out[i] = text
-  return out
+from transformer_jax import config as config_lib, errors, fs  # noqa: E402
+from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
+from transformer_jax.metrics import corpus_bleu  # noqa: E402
+from transformer_jax.translator import Translator, split_pairs, translate_lines  # noqa: E402
+from transformer_jax.workdir import Workdir  # noqa: E402
 
 
 def read_lines(path: str) -> list[str]:
@@ -113,27 +55,6 @@ def check_output_path(path: str) -> None:
   if not p.parent.is_dir():
     raise InferenceError(f"--output {path}: directory {p.parent} does not exist")
   fs.check_writable(p, "--output")
-
-
-def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
-  """(sources, references) of a split of the dataset a workdir was trained on."""
-  from transformer_jax.data import sources
-  from transformer_jax.data.builders import DatasetError
-  try:
-    config = config_lib.load_saved(workdir)
-  except config_lib.ConfigError as e:
-    raise InferenceError(str(e)) from None
-  try:
-    builder = sources.prepare(config["dataset"], config["tfds_dir"] or os.path.expanduser(
-        "~/tensorflow_datasets"), config["data_dir"] or None)
-    pairs = sources.pairs(builder, config["dataset"], split)
-  except (DatasetError, FileNotFoundError, ValueError, KeyError) as e:
-    raise InferenceError(f"--split {split} of {config['dataset']} (data_dir="
-                         f"{config['data_dir']!r}) cannot be read: {checkpoint.first_line(e)}"
-                         ) from None
-  if not pairs:
-    raise InferenceError(f"--split {split} of {config['dataset']} is empty")
-  return [s for s, _ in pairs], [t for _, t in pairs]
 
 
 def define_flags():
@@ -168,17 +89,15 @@ def define_flags():
 def main(argv):
   FLAGS = flags.FLAGS
   sentences = argv[1:]
-  try:
+  with errors.reported():
     if not FLAGS.workdir:
       raise InferenceError("--workdir is required")
     if sum(map(bool, (sentences, FLAGS.input, FLAGS.split))) != 1:
       raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
     if FLAGS.split and FLAGS.reference:
       raise InferenceError("--split scores against the split's own targets: drop --reference")
-    try:  # The recipe's decoding settings, unless a flag overrides one.
-      defaults = config_lib.decode_defaults(config_lib.load_saved(FLAGS.workdir))
-    except config_lib.ConfigError as e:
-      raise InferenceError(str(e)) from None
+    # The recipe's decoding settings, unless a flag overrides one.
+    defaults = config_lib.decode_defaults(Workdir(FLAGS.workdir).load_config())
     for name in defaults:
       if getattr(FLAGS, name) is None:
         setattr(FLAGS, name, defaults[name])
@@ -234,21 +153,8 @@ def main(argv):
     if references is not None:
       score, signature = corpus_bleu(hypotheses, references)
       print(f"BLEU = {score:.2f}  {signature}")
-  except (InferenceError, checkpoint.CheckpointNotFoundError) as e:
-    # Reads of damaged checkpoints that failed (and were reported) leave futures whose errors
-    # asyncio would print again at exit, after the error line.
-    std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
-    logging.get_absl_handler().flush()
-    sys.exit(f"error: {e}")
-  except OSError as e:  # --output's disk full or directory gone mid-way.
-    logging.get_absl_handler().flush()
-    sys.exit(f"error: {fs.describe(e)}")
-  except KeyboardInterrupt:
-    logging.get_absl_handler().flush()
-    print("error: interrupted; nothing was written", file=sys.stderr)
-    sys.exit(130)
 
 
-if __name__ == "__main__":
+def run() -> None:
   define_flags()
   app.run(main)

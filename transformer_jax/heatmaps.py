@@ -1,6 +1,6 @@
 """Attention heatmaps of one translation, as the d2l chapter shows them.
 
-  python -m transformer_jax.visualize --workdir runs/fra_eng "I'm home." --out maps/
+  python -m transformer_jax visualize --workdir runs/fra_eng "I'm home." --out maps/
 
 Writes one PNG per attention kind and layer (encoder self-attention, decoder self-attention,
 cross-attention), each with one panel per head and the tokens on the axes.
@@ -13,8 +13,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dataclasses
-import logging as std_logging
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -23,12 +21,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
 
-from transformer_jax import checkpoint, fs  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
-from transformer_jax.generation import (DecodeOptions, InferenceError,  # noqa: E402
-                                        encode_sources, strip)
+from transformer_jax.generation import encode_sources, strip  # noqa: E402
 from transformer_jax.translator import Translator  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
 
@@ -83,39 +78,3 @@ def plot(maps, src_tokens, tgt_tokens, out_dir: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
   return written
-
-
-def define_flags():
-  """Command-line flags; defined only when run as a command, so importing is side-effect free."""
-  flags.DEFINE_string("workdir", None, "Training workdir.")
-  flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
-  flags.DEFINE_string("out", None, "Directory for the PNG files.")
-
-
-def main(argv):
-  FLAGS = flags.FLAGS
-  try:
-    if len(argv) != 2 or not FLAGS.workdir or not FLAGS.out:
-      raise InferenceError("usage: visualize --workdir DIR --out DIR2 \"sentence\"")
-    if Path(FLAGS.out).exists() and not Path(FLAGS.out).is_dir():
-      raise InferenceError(f"--out {FLAGS.out} is a file; it must name a directory")
-    if not argv[1].strip():
-      raise InferenceError("the sentence is empty")
-    fs.check_writable(FLAGS.out, "--out")
-    translator = Translator(FLAGS.workdir, FLAGS.step)
-    src_tokens, tgt_tokens, maps = attention_maps(translator, argv[1])
-    print("translation:", translator.translate([argv[1]], DecodeOptions(beam_size=1))[0])
-    for path in plot(maps, src_tokens, tgt_tokens, Path(FLAGS.out)):
-      print(path)
-  except (InferenceError, checkpoint.CheckpointNotFoundError) as e:
-    # Reads of damaged checkpoints that failed (and were reported) leave futures whose errors
-    # asyncio would print again at exit, after the error line.
-    std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
-    sys.exit(f"error: {e}")
-  except OSError as e:  # --out cannot be written.
-    sys.exit(f"error: {fs.describe(e)}")
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

@@ -1,0 +1,134 @@
+"""The README and docs/: short where they should be, about the project only, and every command
+in them one that runs as written."""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATA, ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+# An absolute path of a machine, a working sitting, an issue number.
+NOT_ABOUT_THE_PROJECT = re.compile(
+    r"/(work|tmp|home|root|Users)/|\bsessions?\b|\bsittings?\b|\bissues? \d+|#\d+", re.I)
+
+
+def documented_commands(text: str) -> list[str]:
+  """The shell commands of a Markdown text's ```sh blocks, continuation lines joined."""
+  found = []
+  for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+      line = line.split("  #")[0].strip()
+      if line and not line.startswith("#"):
+        found.append(line)
+  return found
+
+
+def _runnable(command: str) -> list[str] | None:
+  """The command's argv with this test's Python, or None for one that is not this project's
+  program (installs, launchers such as srun)."""
+  argv = shlex.split(command)
+  if argv[0] not in ("python", ".venv/bin/python") or argv[1:3] == ["-m", "pytest"]:
+    return None
+  if re.search(r"configs/[A-Z]+\.py", command):  # A template: configs/CONFIG.py.
+    return None
+  return [sys.executable, *argv[1:]]
+
+
+ALL_COMMANDS = [(path.relative_to(ROOT).as_posix(), c)
+                for path in DOCS for c in documented_commands(path.read_text())]
+
+
+@pytest.mark.quick
+def test_the_readme_is_for_users():
+  lines = (ROOT / "README.md").read_text().splitlines()
+  assert len(lines) <= 200
+  assert lines[0] == "# transformer_jax"
+  for heading in ("## Results", "## The two commands", "## Commands", "## Layout"):
+    assert heading in lines
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_name_no_machine_paths_sittings_or_issues(path):
+  bad = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+         if NOT_ABOUT_THE_PROJECT.search(line)]
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.quick
+def test_the_pattern_catches_what_it_should():
+  for text in ("see /work/main/runs", "in the fifth session", "one sitting", "issue 12", "#12"):
+    assert NOT_ABOUT_THE_PROJECT.search(text), text
+  assert not NOT_ABOUT_THE_PROJECT.search("runs/fra_eng on 2026-11-23, 2-core CPU")
+
+
+@pytest.mark.quick
+def test_every_doc_links_and_commands_were_found():
+  assert len(ALL_COMMANDS) > 25
+  readme = (ROOT / "README.md").read_text()
+  for link in re.findall(r"\]\(([^)#]+)\)", readme):
+    assert (ROOT / link).exists(), link
+
+
+@pytest.mark.parametrize("where,command", [c for c in ALL_COMMANDS if _runnable(c[1])])
+def test_every_documented_command_parses(where, command):
+  """Each command's flags, config file, config variant and overrides are read as the command
+  would read them (absl: --helpshort after them all stops it there; argparse: each flag given is
+  one the script knows), with nothing run."""
+  argv = _runnable(command)
+  if argv[1].startswith("benchmarks/"):
+    result = subprocess.run(argv[:2] + ["--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
+      assert flag in result.stdout, f"{where}: {flag} is not a flag of {argv[1]}"
+    return
+  # --helpfull after the others: absl reads the config file, its variant and every override
+  # first (a bad one is an error line), then lists every flag the command defines.
+  result = subprocess.run(argv + ["--helpfull"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+  output = result.stdout + result.stderr
+  assert not re.search(r"^error|FATAL", output, re.M), f"{where}: {output[-2000:]}"
+  for flag in (a.split("=")[0][2:] for a in argv[2:] if a.startswith("--")):
+    if not flag.startswith("config."):
+      assert re.search(rf"--(\[no\])?{flag}:", output), f"{where}: no flag --{flag}"
+
+
+@pytest.fixture(scope="module")
+def workdir_as_documented(tmp_path_factory, trained):
+  """A copy of the smoke run under the name the docs use, runs/fra_eng, in a scratch directory
+  laid out like a clone (data at ../shared/data)."""
+  scratch = tmp_path_factory.mktemp("clone")
+  shutil.copytree(trained[1], scratch / "runs" / "fra_eng")
+  return scratch
+
+
+@pytest.mark.parametrize("command", [
+    c for _, c in ALL_COMMANDS if _runnable(c)
+    and re.match(r"\S*python -m transformer_jax (translate|visualize|average) --workdir "
+                 r"runs/fra_eng( \"[^\"]+\")* ?(--out \S+|--last 3 --output \S+)? ?(\"[^\"]+\"\s*)*$",
+                 c)])
+def test_the_short_documented_commands_run_as_written(workdir_as_documented, command):
+  """translate, visualize and average, exactly as documented, on a workdir named as in the docs
+  (the smoke run's model)."""
+  argv = _runnable(command)
+  if "average" in argv:  # The smoke run kept 2 checkpoints, not 3; a new output each time.
+    argv[argv.index("--last") + 1] = "2"
+    shutil.rmtree(workdir_as_documented / argv[argv.index("--output") + 1], ignore_errors=True)
+  result = subprocess.run(argv, cwd=workdir_as_documented, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  assert result.returncode == 0, result.stderr[-2000:]
+  if "translate" in argv:
+    sentences = argv[argv.index("runs/fra_eng") + 1:]
+    assert len(sentences) == 2 and len(result.stdout.strip().splitlines()) == 2
+  if "visualize" in argv:
+    assert (workdir_as_documented / "maps" / "cross_layer1.png").is_file()
+  if "average" in argv:
+    assert (workdir_as_documented / "runs" / "fra_eng_avg3" / "checkpoints").is_dir()

@@ -1,0 +1,110 @@
+"""The package's shape: no import cycles, config.py imports no subsystem, a workdir's layout is
+spelled in one module."""
+
+import pytest
+import ast
+from pathlib import Path
+
+pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "transformer_jax"
+
+
+def _module_name(path: Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+  return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+  """The package's modules that `path` imports, at the top or inside a function."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    else:
+      continue
+    found |= {n for n in names if n in modules}
+  return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle of the graph, or None."""
+  state, stack = {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == "open":
+        return stack[stack.index(nxt):] + [nxt]
+      if nxt not in state and (found := visit(nxt)):
+        return found
+    state[node] = "done"
+    stack.pop()
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (found := visit(node)):
+      return found
+  return None
+
+
+def test_the_package_has_no_import_cycle():
+  modules = _modules()
+  graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+  assert len(graph) > 20 and graph["transformer_jax.trainer"]  # The graph was read.
+  assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_config_imports_no_subsystem():
+  modules = _modules()
+  assert _imports(PACKAGE / "config.py", modules) == {"transformer_jax.errors"}
+
+
+def test_every_workdir_path_is_spelled_in_workdir_py():
+  """The names of a workdir's config file and checkpoint directory appear as string constants
+  in workdir.py and nowhere else in the package or train.py (messages name them through it)."""
+  spelled = {}
+  for path in [*PACKAGE.rglob("*.py"), ROOT / "train.py"]:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Constant) and node.value in ("config.json", "checkpoints",
+                                                          "config.json.tmp", "jax_cache"):
+        spelled.setdefault(node.value, set()).add(path.relative_to(ROOT).as_posix())
+  assert spelled == {"config.json": {"transformer_jax/workdir.py"},
+                     "checkpoints": {"transformer_jax/workdir.py"},
+                     "jax_cache": {"transformer_jax/workdir.py"}}
+
+
+def test_every_error_a_user_can_fix_derives_from_one_base():
+  """Each module's error class for bad input is a UserError: commands report them all alike."""
+  import importlib
+  from transformer_jax.errors import UserError
+  names = {"transformer_jax.config": "ConfigError", "transformer_jax.workdir": "WorkdirError",
+           "transformer_jax.generation": "InferenceError",
+           "transformer_jax.average": "AverageError", "transformer_jax.aot": "AotError",
+           "transformer_jax.train_lib": "NonFiniteError", "transformer_jax.fs": "NotWritableError",
+           "transformer_jax.checkpoint": "CheckpointDamagedError",
+           "transformer_jax.data.tokenizer": "TokenizerError",
+           "transformer_jax.data.packing": "NoPairsError",
+           "transformer_jax.data.builders": "DatasetError"}
+  for module, name in names.items():
+    assert issubclass(getattr(importlib.import_module(module), name), UserError), name
+  declared = set()  # Every exception class the package declares is one of them.
+  for path in PACKAGE.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
+        declared.add(node.name)
+  assert declared == set(names.values()) | {"UserError", "CheckpointNotFoundError",
+                                            "CheckpointMismatchError"}

@@ -1,0 +1,82 @@
+"""Compiles the training programs for a TPU topology or GPU target on a host without one.
+
+  python -m transformer_jax aot --config configs/wmt14_base.py --topology v5e:2x4
+  python -m transformer_jax aot --install_plugins
+
+Exit status 0 when every program fits the chip's memory, 3 when one does not, 1 on bad input.
+Reads transformer_jax/aot.py for what is compiled and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from transformer_jax import aot, errors, fs
+
+
+def main(argv):
+  from absl import flags
+  F = flags.FLAGS
+  with errors.reported():
+    if len(argv) > 1:
+      raise aot.AotError(f"unexpected arguments {argv[1:]}")
+    if F.install_plugins:
+      command = aot.install_command("all", aot.plugins_dir(F.plugins))
+      print(command)
+      sys.exit(subprocess.call(command.split()))
+    if F.config is None or not F.topology:
+      raise aot.AotError("--config and --topology are required")
+    programs = [p.strip() for p in F.programs.split(",") if p.strip()]
+    unknown = sorted(set(programs) - set(aot.PROGRAMS))
+    if unknown or not programs:
+      raise aot.AotError(f"--programs {F.programs!r}: choose from {', '.join(aot.PROGRAMS)}")
+    if F.json:
+      fs.check_writable(F.json, "--json")
+    target = aot.Target.parse(F.topology, F.num_slices)
+    if F.save_train_step:
+      if "train" not in programs:
+        raise aot.AotError("--save_train_step needs the train program in --programs")
+      fs.check_writable(F.save_train_step, "--save_train_step")
+    report = aot.compile_report(F.config, target, programs,
+                                progress=lambda s: print(s, file=sys.stderr, flush=True),
+                                save_train_step=F.save_train_step)
+  report["config"] = F["config"].value if hasattr(F["config"], "value") else None
+  print(aot.format_report(report))
+  if F.json:
+    Path(F.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+  if not report["fits"]:
+    too_big = [k for k, p in report["programs"].items() if not p["fits"]]
+    print(f"error: {', '.join(too_big)} does not fit in {report['chip']}'s "
+          f"{report['hbm_bytes_per_device'] / aot.GIB:.2f} GiB per device", file=sys.stderr)
+    sys.exit(3)
+
+
+def define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+  flags.DEFINE_string("topology", None, "Target: a TPU topology (v5e:2x4, v4:2x2x2, v5p:2x2x2) "
+                      "or GPUs (h100:8, a100:8, h100:2x8 for 2 hosts of 8).")
+  flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice), each of --topology.")
+  flags.DEFINE_string("programs", ",".join(aot.PROGRAMS), "Which programs to compile.")
+  flags.DEFINE_string("json", None, "Write the report here as JSON.")
+  flags.DEFINE_string("plugins", None, "Directory of the compiler plugins (default: "
+                      f"${aot.PLUGINS_ENV} or {aot.DEFAULT_PLUGINS}).")
+  flags.DEFINE_string("save_train_step", None, "Also write the compiled train step here, for "
+                      "train.py --config.compiled_train_step on the target.")
+  flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
+                    "--plugins and exit.")
+
+
+def run() -> None:
+  # Before jax is imported: it reads JAX_PLATFORMS and looks for CUDA's version module once.
+  aot.prepare_environment()
+  aot.use_plugins(aot.plugins_dir(next((a.split("=", 1)[1] for a in sys.argv
+                                        if a.startswith("--plugins=")), None)))
+  from absl import app
+  from transformer_jax import launch
+  define_flags()
+  app.run(main, flags_parser=launch.parse_flags)

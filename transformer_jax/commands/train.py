@@ -1,0 +1,47 @@
+"""Trains the Transformer: train --config configs/NAME.py[:ARG] --workdir DIR.
+
+Re-running the same command with the same workdir resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from transformer_jax import errors, launch  # noqa: E402
+
+
+def define_flags() -> None:
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+  flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-host runs.")
+  flags.DEFINE_integer("num_processes", 1, "Number of processes (one per host).")
+  flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. num_processes - 1.")
+  flags.DEFINE_enum("distributed", "auto", ["auto", "off"],
+                    "auto: without --num_processes, join the multi-process run of a cluster that "
+                    "jax detects from the environment (SLURM, Cloud TPU, Kubernetes, Open MPI).")
+
+
+def main(argv):
+  F = flags.FLAGS
+  with errors.reported("interrupted before training started; nothing was saved. Run the same "
+                       "command to start again"):
+    if len(argv) > 1:
+      raise errors.UserError(f"unexpected arguments {argv[1:]}")
+    if F.config is None or F.workdir is None:
+      raise errors.UserError("--config and --workdir are required")
+    # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
+    logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
+    launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,
+                                  F.distributed)
+    from transformer_jax import trainer  # jax and the data stack load after the flags parse.
+    trainer.train_and_evaluate(F.config, F.workdir)
+
+
+def run() -> None:
+  define_flags()
+  app.run(main, flags_parser=launch.parse_flags)
