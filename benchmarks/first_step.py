@@ -1,8 +1,8 @@
 """Seconds from a train.py command to its first train step, and its peak memory.
 
   python benchmarks/first_step.py --json out.json --stop_at_step 20 -- \
-      --config configs/synthetic.py:cpu --workdir /tmp/w --config.data_dir /tmp/synth5m \
-      --config.tfds_dir /tmp/synth5m/tfds --config.num_steps 100
+      --config configs/synthetic.py:cpu --workdir runs/synth --config.data_dir data/synth5m \
+      --config.tfds_dir data/synth5m/tfds --config.num_steps 100
 
 Runs `train.py ARGS --config.log_every=1`, and reports: when the step-1 metrics line appeared
 (seconds after the start), the peak resident memory of the train.py process (VmHWM, polled

@@ -2,7 +2,7 @@
 tokenization, for each grain worker count.
 
   python benchmarks/input_pipeline.py --config configs/synthetic.py \
-      --set data_dir=/tmp/synth1m --set tfds_dir=/tmp/synth1m/tfds \
+      --set data_dir=data/synth1m --set tfds_dir=data/synth1m/tfds \
       --workers 1 2 --batches 200 --json out.json
 
 For each worker count, two timed phases, as train.py runs them:

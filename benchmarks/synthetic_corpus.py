@@ -1,7 +1,7 @@
 """Writes a large synthetic parallel corpus with WMT-like sentence lengths, for testing scale
 without the internet:
 
-  python benchmarks/synthetic_corpus.py --out /tmp/synth5m --pairs 5000000
+  python benchmarks/synthetic_corpus.py --out data/synth5m --pairs 5000000
 
 Output: OUT/train.tsv and OUT/validation.tsv (`source<TAB>target` lines), which the
 `parallel_tsv` dataset reads (`--config.dataset=parallel_tsv --config.data_dir=OUT`).

@@ -30,12 +30,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import sections, sharding, train_lib  # noqa: E402
-from transformer_jax.flops import model_flops, segment_lengths  # noqa: E402,F401
+from transformer_jax.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
 from transformer_jax.model import Transformer, TransformerConfig  # noqa: E402
 
-# Dense peak FLOP/s per chip in bfloat16 (vendor data sheets).
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12,
-             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12}
 
 
 def matmul_rate(dtype, n: int | None = None, repeats: int = 10) -> tuple[float, int]:
@@ -162,7 +159,7 @@ def main():
   dtype = jnp.dtype(config.model.dtype)
   device = jax.devices()[0]
   matmul, matmul_n = matmul_rate(dtype)
-  peak = next((p for name, p in PEAK_BF16.items() if name in device.device_kind), None)
+  peak = peak_flops(device.device_kind)
   cases = {}
   if args.real_data:
     config.data_dir = args.data_dir

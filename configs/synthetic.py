@@ -2,9 +2,9 @@
 path at scale without the internet. `arg` "cpu" shrinks the model (not the data or batch) to
 what a CPU steps through in seconds.
 
-  python benchmarks/synthetic_corpus.py --out /tmp/synth5m --pairs 5000000
+  python benchmarks/synthetic_corpus.py --out data/synth5m --pairs 5000000
   python train.py --config configs/synthetic.py:cpu --workdir runs/synth5m \
-      --config.data_dir /tmp/synth5m --config.tfds_dir /tmp/synth5m/tfds
+      --config.data_dir data/synth5m --config.tfds_dir data/synth5m/tfds
 Prepare each corpus into its own tfds_dir (the prepared dataset is named `parallel_tsv`).
 Figures (first-step latency, peak memory at 1M and 5M pairs): benchmarks/README.md.
 """

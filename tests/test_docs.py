@@ -132,3 +132,24 @@ def test_the_short_documented_commands_run_as_written(workdir_as_documented, com
     assert (workdir_as_documented / "maps" / "cross_layer1.png").is_file()
   if "average" in argv:
     assert (workdir_as_documented / "runs" / "fra_eng_avg3" / "checkpoints").is_dir()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script", sorted((ROOT / "benchmarks" / "analysis").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_analysis_scripts_import_what_the_library_has(script):
+  """The scripts behind docs/results.md parse, and every name they import from the library
+  exists (they are not run: they read the workdirs of the runs they describe)."""
+  import ast
+  import importlib.util
+  tree = ast.parse(script.read_text())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformer_jax"):
+      module = importlib.import_module(node.module)
+      for alias in node.names:
+        assert hasattr(module, alias.name) or importlib.util.find_spec(
+            f"{node.module}.{alias.name}"), f"{script.name}: {node.module}.{alias.name}"
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.startswith("transformer_jax"):
+          importlib.import_module(alias.name)

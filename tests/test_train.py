@@ -23,6 +23,7 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
   # The first run stops at 7 by asking for 7 steps: a schedule that does not span num_steps
   # (the recipe's cosine is resumed exactly by the kill and preemption tests, same num_steps).
   smoke_config.schedule = "rsqrt"
+  smoke_config.peak_flops = 5e10  # A made-up device peak: train/mfu is logged against it.
 
   def with_workers(n):  # Batches do not depend on the number of grain workers.
     config = smoke_config.copy_and_resolve_references()
@@ -49,6 +50,17 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
   records = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
   train_steps = [r["step"] for r in records if "train/loss" in r]
   assert train_steps == [5, 7, 10, 15, 20]  # 7: the end of the first run.
+  # Model FLOPs: a step's (their rate over steps/s) lies between the vocabulary projection of
+  # its real target tokens alone and a batch full to capacity; mfu is the rate over the peak.
+  from transformer_jax import flops
+  cfg = sections.model_config(smoke_config, 500, 500)
+  rows, length = smoke_config.batch_size, smoke_config.max_len
+  full = flops.model_flops(cfg, np.full(rows, length), np.full(rows, length))
+  for r in (r for r in records if "train/loss" in r):
+    per_step = r["train/model_flops_per_sec"] / r["steps_per_sec"]
+    real_tokens = r["train/tokens"]
+    assert 6 * cfg.d_model * cfg.tgt_vocab_size * real_tokens < per_step <= full
+    assert r["train/mfu"] == pytest.approx(r["train/model_flops_per_sec"] / 5e10)
   eval_records = [r for r in records if "eval/loss" in r]
   assert [r["step"] for r in eval_records] == [7, 10, 20]
   assert all(np.isfinite(r["eval/loss"]) and 0 <= r["eval/accuracy"] <= 1 for r in eval_records)

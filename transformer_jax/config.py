@@ -38,6 +38,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 "eval_every", "checkpoint_every", "keep_checkpoints"):
     check(config[field] > 0, f"{field}={config[field]} must be positive")
   check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
+  check(config.peak_flops >= 0, f"peak_flops={config.peak_flops} must be >= 0 (0: known "
+        "devices' own)")
   check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
   check(config.warmup_steps >= 0, f"warmup_steps={config.warmup_steps} must be >= 0 (0: none)")
   check(config.grad_clip >= 0,
@@ -161,6 +163,10 @@ def base_config() -> ml_collections.ConfigDict:
       long_beam_size=0,  # Beam size for sources (or sentences) over long_over tokens; 0: off.
       long_over=16))
   c.log_every = 50
+  # Peak FLOP/s of one device, for the model-FLOPs utilisation logged as train/mfu; 0: the
+  # vendor's bfloat16 peak where the device is known (H100, A100, TPU v4/v5e/v5p/v6e), else
+  # only train/model_flops_per_sec is logged.
+  c.peak_flops = 0.0
   c.eval_every = 500
   c.checkpoint_every = 500
   c.keep_checkpoints = 3

@@ -7,6 +7,11 @@ import numpy as np
 
 from transformer_jax.model import TransformerConfig
 
+# Dense bfloat16 peak FLOP/s of one device, by a part of jax's device_kind (vendor data sheets).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12,
+             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+             "TPU v6": 918e12}
+
 
 def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarray) -> float:
   """Training FLOPs (forward + backward = 3 x forward) of one batch.
@@ -35,3 +40,16 @@ def segment_lengths(segment_ids: np.ndarray) -> np.ndarray:
     ids, counts = np.unique(row[row > 0], return_counts=True)
     lens.extend(counts.tolist())
   return np.array(lens)
+
+
+def batch_flops(cfg: TransformerConfig, batch: dict[str, np.ndarray]) -> float:
+  """model_flops of a (packed or padded) batch of segment ids."""
+  return model_flops(cfg, segment_lengths(batch["inputs_segment_ids"]),
+                     segment_lengths(batch["targets_segment_ids"]))
+
+
+def peak_flops(device_kind: str, given: float = 0.0) -> float | None:
+  """`given` where positive; else the vendor's bf16 peak of a known device kind; else None."""
+  if given > 0:
+    return given
+  return next((p for name, p in PEAK_BF16.items() if name in device_kind), None)

@@ -263,27 +263,72 @@ class DecoderBlock(nn.Module):
     """memory [B, S, D] -> cross-attention keys and values [B, S, N, H], once per source."""
     return self.cross_attention.project(memory, "key", "value")
 
-  def step(self, y, cache, index, cross_mask):
+  def step(self, y, cache, index, cross_mask, layer: int | None = None):
     """One decoding position: y [B, 1, D] -> ([B, 1, D], cache with this position's k, v).
 
-    cache: {"k", "v": [B, L, N, H] self-attention keys/values of the positions so far,
-            "cross_k", "cross_v": [B, S, N, H]}.
+    cache: {"k", "v": [B, layers, L, N, H] self-attention keys/values of the positions so far,
+            "cross_k", "cross_v": [B, layers, S, N, H]}, this block's at `layer`; without
+    `layer` (the body of a scanned stack), this block's own, [B, L, N, H] and [B, S, N, H].
     """
+    own = (lambda a: a) if layer is None else (lambda a: a[:, layer])
     new = dict(cache)
 
     def self_attend(z):  # z: [B, 1, D]
       q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B, 1, N, H] each
       for name, kv in (("k", k), ("v", v)):  # Write this position into the preallocated cache.
-        new[name] = lax.dynamic_update_slice(cache[name], kv.astype(cache[name].dtype),
-                                             (0, index, 0, 0))
-      filled = (jnp.arange(cache["k"].shape[1]) <= index)[None, None, None, :]  # [1, 1, 1, L]
-      return self.self_attention.attend(q, new["k"], new["v"], filled)
+        kv = kv.astype(cache[name].dtype)
+        new[name] = (lax.dynamic_update_slice(cache[name], kv, (0, index, 0, 0))
+                     if layer is None else  # [B, 1, N, H] -> [B, 1, 1, N, H]
+                     lax.dynamic_update_slice(cache[name], kv[:, None], (0, layer, index, 0, 0)))
+      filled = (jnp.arange(own(cache["k"]).shape[1]) <= index)[None, None, None, :]  # [1,1,1,L]
+      return self.self_attention.attend(q, own(new["k"]), own(new["v"]), filled)
 
     y = self.self_attention_sublayer(y, self_attend, True)
     y = self._cross_and_ffn(y, lambda z: self.cross_attention.attend(
-        *self.cross_attention.project(z, "query"), cache["cross_k"], cache["cross_v"],
+        *self.cross_attention.project(z, "query"), own(cache["cross_k"]), own(cache["cross_v"]),
         cross_mask), True)
     return y, new
+
+
+class UnrolledEncoder(nn.Module):
+  """The encoder blocks one after another; their parameters (encoder_0, encoder_1, ...) sit
+  in the Transformer's own scope."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    self.blocks = [EncoderBlock(self.cfg, name=f"encoder_{i}")
+                   for i in range(self.cfg.num_encoder_layers)]
+
+  def __call__(self, x, mask, deterministic: bool):
+    for block in self.blocks:
+      x = block(x, mask, deterministic)
+    return x
+
+
+class UnrolledDecoder(nn.Module):
+  """The decoder blocks one after another (parameters decoder_0, ... in the Transformer's
+  scope), with the decoding cache of a scanned stack: [B, layers, ...] arrays."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    self.blocks = [DecoderBlock(self.cfg, name=f"decoder_{i}")
+                   for i in range(self.cfg.num_decoder_layers)]
+
+  def __call__(self, y, memory, self_mask, cross_mask, deterministic: bool):
+    for block in self.blocks:
+      y = block(y, memory, self_mask, cross_mask, deterministic)
+    return y
+
+  def cross_kv(self, memory):
+    """memory [B, S, D] -> every layer's cross-attention keys and values [B, layers, S, N, H]."""
+    keys, values = zip(*(block.cross_kv(memory) for block in self.blocks))
+    return jnp.stack(keys, axis=1), jnp.stack(values, axis=1)
+
+  def step(self, y, cache, index, cross_mask):
+    """y [B, 1, D] through every layer, each writing its position into the stacked cache."""
+    for layer, block in enumerate(self.blocks):
+      y, cache = block.step(y, cache, index, cross_mask, layer)
+    return y, cache
 
 
 class _EncoderLayer(nn.Module):
@@ -339,11 +384,22 @@ class ScannedDecoder(nn.Module):
   cfg: TransformerConfig
 
   @nn.compact
-  def __call__(self, mode: str, carry, *args, deterministic: bool = True):
+  def run(self, mode: str, carry, *args, deterministic: bool = True):
+    """The scan in one of its modes (they share the stacked parameters)."""
     in_axes = {"train": nn.broadcast, "cross_kv": (),
                "step": (1, nn.broadcast, nn.broadcast)}[mode]
     stack = _scan(_DecoderLayer, self.cfg, self.cfg.num_decoder_layers, in_axes, out_axes=1)
     return stack(self.cfg, mode, deterministic, name="layers")(carry, *args)
+
+  def __call__(self, y, memory, self_mask, cross_mask, deterministic: bool):
+    return self.run("train", y, memory, self_mask, cross_mask, deterministic=deterministic)[0]
+
+  def cross_kv(self, memory):
+    """memory [B, S, D] -> every layer's cross-attention keys and values [B, layers, S, N, H]."""
+    return self.run("cross_kv", memory)[1]
+
+  def step(self, y, cache, index, cross_mask):
+    return self.run("step", y, cache, index, cross_mask)
 
 
 def _embed(cfg: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
@@ -363,13 +419,13 @@ class Transformer(nn.Module):
     self.src_embed = _embed(cfg, cfg.src_vocab_size, "src_embed")
     self.tgt_embed = (self.src_embed if cfg.share_embeddings
                       else _embed(cfg, cfg.tgt_vocab_size, "tgt_embed"))
+    # One interface, two stacks: (x, mask) -> x; (y, memory, masks) -> y; cross_kv; step.
     if cfg.scan_layers:
       self.encoder_stack, self.decoder_stack = ScannedEncoder(cfg), ScannedDecoder(cfg)
     else:
-      self.encoder_blocks = [EncoderBlock(cfg, name=f"encoder_{i}")
-                             for i in range(cfg.num_encoder_layers)]
-      self.decoder_blocks = [DecoderBlock(cfg, name=f"decoder_{i}")
-                             for i in range(cfg.num_decoder_layers)]
+      self.encoder_stack, self.decoder_stack = UnrolledEncoder(cfg), UnrolledDecoder(cfg)
+      nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, ..., as before.
+      nn.share_scope(self, self.decoder_stack)
     norm = lambda name: nn.LayerNorm(
         dtype=cfg.compute_dtype, name=name,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
@@ -412,11 +468,7 @@ class Transformer(nn.Module):
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)
     mask = attention_mask(src_segments, src_segments)  # [B, 1, S, S]
     x = self._inputs(self.src_embed, src, src_positions, deterministic)
-    if self.cfg.scan_layers:
-      x = self.encoder_stack(x, mask, deterministic)
-    else:
-      for block in self.encoder_blocks:
-        x = block(x, mask, deterministic)
+    x = self.encoder_stack(x, mask, deterministic)
     return self.encoder_norm(x) if self.cfg.pre_ln else x
 
   def decode(self, memory, tgt_in, src_segments, tgt_segments=None, tgt_positions=None,
@@ -432,12 +484,7 @@ class Transformer(nn.Module):
     self_mask = attention_mask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
     cross_mask = attention_mask(tgt_segments, src_segments)  # [B, 1, T, S]
     y = self._inputs(self.tgt_embed, tgt_in, tgt_positions, deterministic)
-    if self.cfg.scan_layers:
-      y = self.decoder_stack("train", y, memory, self_mask, cross_mask,
-                             deterministic=deterministic)[0]
-    else:
-      for block in self.decoder_blocks:
-        y = block(y, memory, self_mask, cross_mask, deterministic)
+    y = self.decoder_stack(y, memory, self_mask, cross_mask, deterministic)
     return self.decoder_norm(y) if self.cfg.pre_ln else y
 
   def project(self, y):
@@ -453,16 +500,9 @@ class Transformer(nn.Module):
     """
     cfg = self.cfg
     b, n, h = memory.shape[0], cfg.num_heads, cfg.d_model // cfg.num_heads
-    if cfg.scan_layers:  # One dict of [B, layers, ...] arrays.
-      cross_k, cross_v = self.decoder_stack("cross_kv", memory)[1]
-      zeros = jnp.zeros((b, cfg.num_decoder_layers, max_len, n, h), cfg.compute_dtype)
-      layers = {"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v}
-    else:  # A list of per-layer dicts of [B, ...] arrays.
-      layers = []
-      for block in self.decoder_blocks:
-        cross_k, cross_v = block.cross_kv(memory)
-        zeros = jnp.zeros((b, max_len, n, h), cfg.compute_dtype)
-        layers.append({"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v})
+    cross_k, cross_v = self.decoder_stack.cross_kv(memory)  # [B, layers, S, N, H] each
+    zeros = jnp.zeros((b, cfg.num_decoder_layers, max_len, n, h), cfg.compute_dtype)
+    layers = {"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v}
     return {"index": jnp.zeros((), jnp.int32), "src_valid": src_segments > 0, "layers": layers}
 
   def decode_step(self, tokens, cache):
@@ -471,13 +511,7 @@ class Transformer(nn.Module):
     positions = jnp.broadcast_to(index, tokens.shape)
     y = self._inputs(self.tgt_embed, tokens, positions, True)
     cross_mask = cache["src_valid"][:, None, None, :]  # [B, 1, 1, S]
-    if self.cfg.scan_layers:
-      y, layers = self.decoder_stack("step", y, cache["layers"], index, cross_mask)
-    else:
-      layers = []
-      for block, layer in zip(self.decoder_blocks, cache["layers"]):
-        y, layer = block.step(y, layer, index, cross_mask)
-        layers.append(layer)
+    y, layers = self.decoder_stack.step(y, cache["layers"], index, cross_mask)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
     logits = self._logits(y)

@@ -4,6 +4,7 @@ checkpoint there. `python train.py` (or `python -m transformer_jax train`) runs 
 
 from __future__ import annotations
 
+import collections
 import time
 
 import jax
@@ -12,8 +13,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from transformer_jax import (aot, fs, preemption as preemption_lib, sections, sharding,
-                             train_lib, writers)
+from transformer_jax import (aot, flops as flops_lib, fs, preemption as preemption_lib, sections,
+                             sharding, train_lib, writers)
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
@@ -82,7 +83,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
   schedule = train_lib.learning_rate_schedule(opt_cfg)
   bleu_eval = data.bleu_pairs and BleuEval(
       model, data.tokenizers, data.bleu_pairs, config.max_len, config.eval_batch_size)
-  batches = pipeline.Prefetched(stream, lambda b: sharding.global_batch(b, mesh))
+  # Each batch's model FLOPs (this host's rows), counted as it goes to the devices, in order.
+  step_flops = collections.deque()
+  peak = flops_lib.peak_flops(jax.local_devices()[0].device_kind, config.peak_flops)
+
+  def to_devices(batch):
+    step_flops.append(flops_lib.batch_flops(model.cfg, batch))
+    return sharding.global_batch(batch, mesh)
+
+  batches = pipeline.Prefetched(stream, to_devices)
   capacity = config.batch_size * config.max_len
   guard = train_lib.NonFiniteGuard(config.nonfinite, config.max_nonfinite_in_row)
   preemption = preemption_lib.Preemption(multi_process=hosts > 1)
@@ -110,7 +119,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> train
           summary.update(tokens_per_sec=summary["tokens"] * len(finite) / rate["seconds"],
                          padding_fraction=1.0 - summary["tokens"] / capacity,
                          learning_rate=float(schedule(step - 1)),
-                         skipped_steps=guard.skipped)
+                         skipped_steps=guard.skipped,
+                         model_flops_per_sec=sum(step_flops.popleft() for _ in history)
+                         / rate["seconds"] / jax.local_device_count())
+          if peak:  # Model-FLOPs utilisation of one device.
+            summary["mfu"] = summary["model_flops_per_sec"] / peak
           writer.write_scalars(step, {"steps_per_sec": rate["steps_per_sec"],
                                       **{f"train/{k}": v for k, v in summary.items()}})
           history = []

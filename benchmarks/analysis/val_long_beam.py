@@ -1,12 +1,12 @@
-"""A larger beam for long sources, from existing validation hypotheses of run B (/work/runs/rB,
+"""A larger beam for long sources, from existing validation hypotheses of run B (runs/rB,
 step 2,000, --noema, alpha 1.0, whole sources): beam 4 for every source, with beam 6 or 8 for
 sources of more than T tokens (with <eos>); then a paired bootstrap (1,000 resamples) of beam 8
 and 6 against 4 on the sources over 16 tokens.
 
-Usage: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/long_beam/val_long_beam.py \
+Usage: PYTHONPATH=. python benchmarks/analysis/val_long_beam.py \
     BEAM4_HYP BEAM6_HYP BEAM8_HYP
-(run with /work/runs/evalB/val_raw_b4_a1.hyp /work/runs/evalD/val_b6_a1.hyp
-/work/runs/evalD/val_b8_a1.hyp: the hypotheses of recipe/val_raw_b4_a1.log, val_raw_b6_a1.log,
+(run with runs/evalB/val_raw_b4_a1.hyp runs/evalD/val_b6_a1.hyp
+runs/evalD/val_b8_a1.hyp: the hypotheses of recipe/val_raw_b4_a1.log, val_raw_b6_a1.log,
 val_raw_b8_a1.log)
 """
 import sys
@@ -18,7 +18,7 @@ from sacrebleu.metrics import BLEU
 
 from transformer_jax.translator import split_pairs
 
-W = "/work/runs/rB"
+W = "runs/rB"
 lines, refs = split_pairs(W, "validation")
 sp = spm.SentencePieceProcessor(model_file=W + "/tokenizer.model")
 n = np.array([len(x) + 1 for x in sp.encode(lines)])

@@ -6,7 +6,7 @@ truncated, as before) and sentence by sentence (segment.py). A threshold T takes
 sentence translation for documents of more than T tokens and the whole one for the rest; the
 table gives sacreBLEU for each T, overall and by document length.
 
-Usage: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/segment/segment_validation.py \
+Usage: PYTHONPATH=. python benchmarks/analysis/segment_validation.py \
     WORKDIR OUTDIR   (beam 4, alpha 1.0, --noema: the README's Tatoeba decode)
 """
 import sys

@@ -2,7 +2,7 @@
 lines that pysbd splits are translated sentence by sentence; the rest keep the whole-line
 hypotheses of HYP (the run's `translate --split validation --noema --beam_size 4 --alpha 1.0`).
 
-Usage: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/segment/segment_validation_pairs.py \
+Usage: PYTHONPATH=. python benchmarks/analysis/segment_validation_pairs.py \
     WORKDIR HYP OUTDIR
 """
 import sys

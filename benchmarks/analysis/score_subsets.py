@@ -1,11 +1,11 @@
 """BLEU of validation hypotheses overall and on sources of >= 12 and >= 16 tokens (counted by
 the workdir's tokenizer; runs B, C and D have the same one).
-Usage: [WORKDIR=/work/runs/rB] PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/recipe/score_subsets.py HYP..."""
+Usage: [WORKDIR=runs/rB] PYTHONPATH=. python benchmarks/analysis/score_subsets.py HYP..."""
 import os
 import sys
 import numpy as np, sacrebleu, sentencepiece as spm
 from transformer_jax.translator import split_pairs
-W = os.environ.get('WORKDIR', '/work/runs/rB')
+W = os.environ.get('WORKDIR', 'runs/rB')
 lines, refs = split_pairs(W, 'validation')
 sp = spm.SentencePieceProcessor(model_file=W + '/tokenizer.model')
 n = np.array([len(x) for x in sp.encode(lines)])

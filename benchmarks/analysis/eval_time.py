@@ -1,6 +1,6 @@
 """Seconds each in-training evaluation took (from the step line to the evaluation's log line),
 their sum, and the first log line to the pipeline's "pairs kept" line, from a training log.
-Usage: python benchmarks/results/cpu_2026-11-23/recipe/eval_time.py rD_train_log.txt ..."""
+Usage: python benchmarks/analysis/eval_time.py rD_train_log.txt ..."""
 import datetime
 import re
 import sys

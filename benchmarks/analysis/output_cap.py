@@ -1,7 +1,7 @@
 """Validation or Tatoeba BLEU of run B (step 2000, beam 4) with the output cap
 RATIO x source width + 10 (issue 12 experiment, 2026-11-23; the record of the README's figures,
 not part of the library). Usage, from the repository root:
-  PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/recipe/output_cap.py RATIO BEAM ALPHA SPLIT
+  PYTHONPATH=. python benchmarks/analysis/output_cap.py RATIO BEAM ALPHA SPLIT
 with SPLIT validation or tatoeba."""
 import sys, time
 import numpy as np, sacrebleu, sentencepiece as spm
@@ -11,7 +11,7 @@ from transformer_jax.translator import translate_lines, split_pairs
 from transformer_jax.translator import Translator
 
 ratio, beam, alpha, split = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-W = '/work/runs/rB'
+W = 'runs/rB'
 t = Translator(W, ema=False)
 def translate(self, sentences, options=DecodeOptions(), numbers=None):
   src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)

@@ -1,7 +1,7 @@
 """Tatoeba BLEU by source length (tokens with <eos>, run B's tokenizer) and by one or more
 sentences (pysbd), for each hypothesis file given: whole sources against --segment_over 16.
 
-Usage: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/segment/tatoeba_by_length.py \
+Usage: PYTHONPATH=. python benchmarks/analysis/tatoeba_by_length.py \
     TOKENIZER_MODEL HYP...
 """
 import sys

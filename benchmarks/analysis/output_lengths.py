@@ -2,14 +2,14 @@
 hypotheses (beam 4, alpha 1.0) have at least source + 10 tokens when re-tokenized, and how
 often fra.txt's targets are longer than their source + 10 tokens.
 Usage, from the repository root:
-  PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/recipe/output_lengths.py HYP"""
+  PYTHONPATH=. python benchmarks/analysis/output_lengths.py HYP"""
 import sys
 import zipfile
 
 import numpy as np
 import sentencepiece as spm
 
-sp = spm.SentencePieceProcessor(model_file="/work/runs/rB/tokenizer.model")
+sp = spm.SentencePieceProcessor(model_file="runs/rB/tokenizer.model")
 base = "../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng."
 src = open(base + "eng", encoding="utf-8").read().splitlines()
 hyp = open(sys.argv[1], encoding="utf-8").read().splitlines()

@@ -1,7 +1,7 @@
 """One in-training evaluation of configs/fra_eng.py timed twice (initial parameters): the
 validation loss over the split and the greedy BLEU of 256 sentences. Run from the repository
-root: PYTHONPATH=. python benchmarks/results/cpu_2026-11-23/recipe/eval_batches_time.py
-(it reads the tokenizer and token cache of the workdir /work/runs/rD). Output of 2026-11-23:
+root: PYTHONPATH=. python benchmarks/analysis/eval_batches_time.py
+(it reads the tokenizer and token cache of the workdir runs/rD). Output of 2026-11-23:
 eval_batches_time.txt (before: eval_batches without `pack`; after: with pack=config.packing)."""
 import sys, time
 sys.argv = sys.argv[:1]
@@ -19,7 +19,7 @@ import os
 for kv in os.environ.get("SETS", "").split():
   k, v = kv.split("="); config[k] = type(config[k])(v)
 mesh = sections.checked_mesh(config)
-workdir = pathlib.Path("/work/runs/rD")
+workdir = pathlib.Path("runs/rD")
 data = pipeline.prepare(sections.data_config(config), workdir, num_bleu_sentences=config.num_bleu_sentences, is_first_host=True, wait_for_first_host=lambda: False)
 model = Transformer(sections.model_config(config, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size))
 state, sh = train_lib.create_train_state(model, train_lib.make_optimizer(sections.optimizer_config(config)), 0, mesh, config.max_len)
