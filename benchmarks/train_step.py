@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import sections, sharding, train_lib  # noqa: E402
 from transformer_jax.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
-from transformer_jax.model import Transformer, TransformerConfig  # noqa: E402
+from transformer_jax.model import Transformer  # noqa: E402
 
 
 

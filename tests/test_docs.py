@@ -7,11 +7,10 @@ import shlex
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA, ROOT
+from tests.conftest import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 # An absolute path of a machine, a working sitting, an issue number.

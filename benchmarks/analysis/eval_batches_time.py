@@ -5,9 +5,8 @@ root: PYTHONPATH=. python benchmarks/analysis/eval_batches_time.py
 eval_batches_time.txt (before: eval_batches without `pack`; after: with pack=config.packing)."""
 import sys, time
 sys.argv = sys.argv[:1]
-import jax, numpy as np
-from ml_collections import config_flags
-from transformer_jax import config as config_lib, sections, sharding, train_lib
+
+from transformer_jax import sections, sharding, train_lib
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
