@@ -1,16 +1,18 @@
+import json
 import re
 import shutil
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
-from transformer_jax import metrics, trainer
 from tests.conftest import DATA, ROOT
+from transformer_jax import metrics, trainer
 from transformer_jax.generation import DecodeOptions
-from transformer_jax.workdir import WorkdirError
 from transformer_jax.translator import Translator
+from transformer_jax.workdir import WorkdirError
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +210,7 @@ def test_d2l_bleu_matches_the_chapters_definition():
 
 
 def test_visualize_writes_heatmaps_per_layer(d2l_workdir, tmp_path):
-  from transformer_jax import visualize
+  from transformer_jax import heatmaps as visualize
   translator = Translator(d2l_workdir)
   src_tokens, tgt_tokens, maps = visualize.attention_maps(translator, "I'm home.")
   assert src_tokens == ["i'm", "home", ".", "<eos>"]
@@ -221,3 +223,35 @@ def test_visualize_writes_heatmaps_per_layer(d2l_workdir, tmp_path):
   assert sorted(p.name for p in paths) == sorted(
       f"{k}_layer{layer}.png" for k in ("encoder", "decoder", "cross") for layer in (1, 2))
   assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_translate_decodes_with_the_workdirs_own_settings_unless_a_flag_overrides(d2l_workdir,
+                                                                                tmp_path):
+  """The config's decode section, saved in config.json, gives translate's defaults; a workdir
+  written before the section existed gets base_config's."""
+  from configs import fra_eng
+  from transformer_jax import config as config_lib
+  recipe = fra_eng.get_config()
+  assert config_lib.decode_defaults(recipe) == dict(beam_size=4, alpha=1.0, segment_over=16,
+                                                     long_beam_size=0, long_over=16)
+  older = json.loads((d2l_workdir / "config.json").read_text())
+  older.pop("decode")
+  assert config_lib.decode_defaults(ml_collections.ConfigDict(older)) == (
+      config_lib.base_config().decode.to_dict())
+
+  greedy = tmp_path / "greedy"
+  shutil.copytree(d2l_workdir, greedy)
+  saved = json.loads((greedy / "config.json").read_text())
+  saved["decode"].update(beam_size=1, alpha=0.0)
+  (greedy / "config.json").write_text(json.dumps(saved))
+  sentences = ["I lost.", "I'm home.", "Go now."]
+  by_config = _cli("--workdir", str(greedy), *sentences)
+  by_flags = _cli("--workdir", str(d2l_workdir), "--beam_size", "1", "--alpha", "0", *sentences)
+  assert by_config.returncode == by_flags.returncode == 0, by_config.stderr[-1000:]
+  assert by_config.stdout == by_flags.stdout and len(by_config.stdout.splitlines()) == 3
+  # A flag wins over the workdir's setting: --long_beam_size needs the beam the flag asks for.
+  refused = _cli("--workdir", str(greedy), "--long_beam_size", "4", "Go.")
+  assert refused.stderr.strip().splitlines()[-1] == (
+      "error: --long_beam_size needs beam search: --beam_size 1 decodes greedily")
+  assert _cli("--workdir", str(greedy), "--beam_size", "2", "--long_beam_size", "4",
+              "Go.").returncode == 0

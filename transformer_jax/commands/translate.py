@@ -96,24 +96,17 @@ def main(argv):
       raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
     if FLAGS.split and FLAGS.reference:
       raise InferenceError("--split scores against the split's own targets: drop --reference")
-    # The recipe's decoding settings, unless a flag overrides one.
-    defaults = config_lib.decode_defaults(Workdir(FLAGS.workdir).load_config())
-    for name in defaults:
-      if getattr(FLAGS, name) is None:
-        setattr(FLAGS, name, defaults[name])
-    if FLAGS.beam_size < 1:
+    if FLAGS.beam_size is not None and FLAGS.beam_size < 1:
       raise InferenceError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
     if FLAGS.batch_size < 1:
       raise InferenceError(f"--batch_size must be at least 1, got {FLAGS.batch_size}")
-    if FLAGS.segment_over < -1:
+    if FLAGS.segment_over is not None and FLAGS.segment_over < -1:
       raise InferenceError(f"--segment_over must be -1 (split none), 0 (all) or positive, got "
                            f"{FLAGS.segment_over}")
-    if FLAGS.long_beam_size < 0 or FLAGS.long_over < 0:
+    if (FLAGS.long_beam_size or 0) < 0 or (FLAGS.long_over or 0) < 0:
       raise InferenceError(f"--long_beam_size and --long_over must be 0 or positive, got "
                            f"{FLAGS.long_beam_size} and {FLAGS.long_over}")
-    if FLAGS.long_beam_size and FLAGS.beam_size == 1:
-      raise InferenceError("--long_beam_size needs beam search: --beam_size 1 decodes greedily")
-    if FLAGS.alpha < 0:
+    if FLAGS.alpha is not None and FLAGS.alpha < 0:
       raise InferenceError(f"--alpha must be >= 0 (0: no length penalty), got {FLAGS.alpha}")
     for flag, given in (("--input", FLAGS.input), ("--reference", FLAGS.reference)):
       if given and FLAGS.output and Path(FLAGS.output).resolve() == Path(given).resolve():
@@ -134,6 +127,13 @@ def main(argv):
     if references is not None and not any(line.strip() for line in lines):
       raise InferenceError(f"--input {FLAGS.input} holds no sentence: nothing to translate or "
                            "score")
+    # The recipe's decoding settings (the workdir's config), unless a flag overrides one.
+    defaults = config_lib.decode_defaults(Workdir(FLAGS.workdir).load_config())
+    for name in defaults:
+      if getattr(FLAGS, name) is None:
+        setattr(FLAGS, name, defaults[name])
+    if FLAGS.long_beam_size and FLAGS.beam_size == 1:
+      raise InferenceError("--long_beam_size needs beam search: --beam_size 1 decodes greedily")
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema)
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
