@@ -9,8 +9,6 @@ import pytest
 from tests.conftest import ROOT
 from transformer_jax import sharding
 
-pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
-
 
 MESHES = {  # (data, fsdp, tensor): the shard shapes of an FFN kernel and an embedding table.
     "8,1,1": ([32, 64], [128, 32]),  # Pure data parallelism: parameters replicated.

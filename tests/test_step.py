@@ -16,7 +16,6 @@ from tests.conftest import tiny_model_config
 from transformer_jax import sharding, train_lib
 from transformer_jax.model import Transformer
 
-pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 
 ROWS, LENGTH, VOCAB = 16, 32, 1024
 
