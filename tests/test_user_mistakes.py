@@ -154,8 +154,11 @@ def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on
              "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
              f"--config.tfds_dir={tfds}", f"--config.compilation_cache_dir={cache_dir}",
              "--config.num_workers=0", "--config.num_bleu_sentences=0"]
+  # As from a terminal: SIGINT at its default, whatever this test process (a pytest-xdist
+  # worker may run with SIGINT ignored, which a child would inherit) does with it.
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+                          text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   seen = []
   for line in proc.stdout:
     seen.append(line)
