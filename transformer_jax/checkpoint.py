@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from transformer_jax import sharding
+from transformer_jax import errors, sharding
 from transformer_jax.errors import UserError
 
 
@@ -73,11 +73,6 @@ def _leaf_name(path) -> str:
     else:
       parts.append(str(k))
   return ".".join(parts)
-
-
-def first_line(error: Exception) -> str:
-  text = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
 class Checkpointer:
@@ -248,7 +243,8 @@ class Checkpointer:
 
   def _report_damaged(self, step: int, error: Exception) -> None:
     logging.warning("The checkpoint of step %d in %s is damaged (%s); trying the one before it",
-                    step, self.directory, first_line(error))
+                    step, self.directory,
+                    f"{type(error).__name__}: {errors.first_line(error)[:200]}")
 
   def _set_aside(self, step: int) -> None:
     """Renames a damaged checkpoint out of the manager's sight (process 0 only)."""

@@ -1,5 +1,5 @@
-"""File-system errors as one line: the checks commands make before any work, and the wording
-of an OSError met later (a disk that fills, a directory that goes away)."""
+"""The file-system checks commands make before any work (an OSError met later, a disk that
+fills or a directory that goes away, is worded by errors.describe_os_error)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,3 @@ def check_writable(path: str | Path, what: str) -> None:
   except OSError as e:
     raise NotWritableError(f"{what} {path} cannot be written: {e.strerror} (in {existing})"
                            ) from None
-
-
-def describe(error: OSError) -> str:
-  """One line for a file-system error: what failed, on which path."""
-  if isinstance(error, NotWritableError) or not error.strerror:
-    return str(error)
-  paths = " -> ".join(str(p) for p in (error.filename, error.filename2) if p)
-  return f"{error.strerror}: {paths}" if paths else error.strerror

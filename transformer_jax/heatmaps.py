@@ -42,7 +42,7 @@ def attention_maps(translator: Translator, sentence: str):
   out = np.asarray(translator.generate_ids(translator.params, src, src.shape[1] + 10, 1, 0.0))[0]
   tgt_out = strip(out)
   tgt_in = np.array([[BOS] + tgt_out], np.int32)
-  model = Transformer(dataclasses.replace(translator.model_config, attention_weights=True))
+  model = Transformer(dataclasses.replace(translator.model.cfg, attention_weights=True))
   _, state = model.apply({"params": translator.params}, jnp.asarray(src), jnp.asarray(tgt_in),
                          mutable=["intermediates"])
   inter = state["intermediates"]

@@ -9,6 +9,8 @@ from pathlib import Path
 import jax
 from absl import flags, logging
 
+from transformer_jax import errors
+
 
 def detected_cluster() -> str | None:
   """The name of the cluster environment jax's own auto-detection would use, or None.
@@ -55,11 +57,10 @@ def parse_flags(argv: list[str]) -> list[str]:
                if a.startswith("--config.") and a.split("=")[0].split(".")[-1] == name]
       sys.exit(f"error: {given[0] if given else name}: no such config field (the fields and "
                "their meanings are in transformer_jax/config.py)")
-    first_line = lambda x: str(x).strip().splitlines()[0] if str(x).strip() else type(x).__name__
     root = e  # A config file that fails to load: the cause, not absl's wrapper.
     while (root.__cause__ or root.__context__) is not None:
       root = root.__cause__ or root.__context__
     if root is not e and str(e).startswith("flag --config"):
       flag = str(e).split(": ", 1)[0].removeprefix("flag ")  # --config=configs/x.py:ARG
-      sys.exit(f"error: {flag}: {first_line(root)}")
-    sys.exit(f"error: {first_line(e)}")
+      sys.exit(f"error: {flag}: {errors.first_line(root)}")
+    sys.exit(f"error: {errors.first_line(e)}")

@@ -33,7 +33,6 @@ class Translator:
     0), else with the parameters themselves."""
     run = Workdir(workdir)
     self.config, self.tokenizers, self.model = run.open()
-    self.model_config = self.model.cfg
     ckpt = run.checkpointer(read_only=True)
     mesh = sharding.make_mesh((-1, 1, 1))
     self.uses_ema = ema and self.config.get("ema_decay", 0) > 0
