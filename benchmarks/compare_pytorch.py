@@ -48,9 +48,9 @@ def torch_step_fn(config, vocab: int, batch, compile_model: bool = False):
       self.embed = nn.Embedding(vocab, d, padding_idx=0)
       self.core = nn.Transformer(d, m.num_heads, m.num_encoder_layers, m.num_decoder_layers,
                                  m.ffn_dim, m.dropout_rate, batch_first=True, norm_first=False)
-      pos = torch.arange(config.max_len)[:, None]
+      pos = torch.arange(config.data.max_len)[:, None]
       inv = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
-      pe = torch.zeros(config.max_len, d)
+      pe = torch.zeros(config.data.max_len, d)
       pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * inv), torch.cos(pos * inv)
       self.register_buffer("pe", pe)
       self.drop = nn.Dropout(m.dropout_rate)
@@ -65,7 +65,7 @@ def torch_step_fn(config, vocab: int, batch, compile_model: bool = False):
 
   model = TorchTransformer().to(dev)
   opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-  cross_entropy = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.label_smoothing)
+  cross_entropy = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=config.step.label_smoothing)
   # Ours in bfloat16 computes in bf16 with float32 parameters and a float32 loss: autocast.
   bf16 = m.dtype == "bfloat16"
 
@@ -83,7 +83,7 @@ def torch_step_fn(config, vocab: int, batch, compile_model: bool = False):
     opt.zero_grad(set_to_none=True)
     loss = forward_loss(src, tgt_in, tgt)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
     opt.step()
     return loss.item()
   name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
@@ -117,10 +117,10 @@ def main():
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   config = load_config(args.config, args.set)
-  config.max_len = args.len or config.max_len
-  rows = args.rows or config.batch_size
-  vocab = sections.padded_vocab(config.vocab_size)
-  batch = synthetic_batch(rows, config.max_len, vocab)
+  config.data.max_len = args.len or config.data.max_len
+  rows = args.rows or config.data.batch_size
+  vocab = sections.padded_vocab(config.data.vocab_size)
+  batch = synthetic_batch(rows, config.data.max_len, vocab)
 
   steps = {"jax": jax_step_fn(config, batch)}
   steps["torch"], torch_version = torch_step_fn(config, vocab, batch)
@@ -128,12 +128,12 @@ def main():
     steps["torch.compile"], _ = torch_step_fn(config, vocab, batch, compile_model=True)
   times = interleaved(steps, args.rounds, calls=args.steps)
   median = {name: statistics.median(t) for name, t in times.items()}
-  tokens = rows * config.max_len
+  tokens = rows * config.data.max_len
   print(f"device: {jax.devices()[0].device_kind} ({os.cpu_count()} cores), jax {jax.__version__},"
         f" torch {torch_version}; {config.model.dtype}, d_model {config.model.d_model}, "
         f"{config.model.num_encoder_layers}+{config.model.num_decoder_layers} layers, "
         f"FFN {config.model.ffn_dim}, {config.model.num_heads} heads, vocab {vocab}, "
-        f"batch {rows} x {config.max_len} tokens a side")
+        f"batch {rows} x {config.data.max_len} tokens a side")
   for name in steps:
     print(f"{name:>13}: median step {median[name] * 1e3:8.1f} ms "
           f"(min {min(times[name]) * 1e3:.1f}, max {max(times[name]) * 1e3:.1f}), "

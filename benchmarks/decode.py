@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import interleaved, load_config  # noqa: E402
-from transformer_jax import generation, sections  # noqa: E402
+from transformer_jax import config as config_lib, generation, sections  # noqa: E402
 from transformer_jax.translator import Translator  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
@@ -54,7 +54,8 @@ def main():
     model, params = translator.model, translator.params
   else:
     config = load_config(args.config)
-    model = Transformer(sections.model_config(config, config.vocab_size, config.vocab_size))
+    vocab = config.data.vocab_size
+    model = Transformer(sections.model_config(config_lib.parse(config).model, vocab, vocab))
     dummy = jnp.ones((1, 4), jnp.int32)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), dummy, dummy)["params"])
   out_len = args.out_len

@@ -1,10 +1,10 @@
 """Seconds from a train.py command to its first train step, and its peak memory.
 
   python benchmarks/first_step.py --json out.json --stop_at_step 20 -- \
-      --config configs/synthetic.py:cpu --workdir runs/synth --config.data_dir data/synth5m \
-      --config.tfds_dir data/synth5m/tfds --config.num_steps 100
+      --config configs/synthetic.py:cpu --workdir runs/synth --config.data.data_dir data/synth5m \
+      --config.data.tfds_dir data/synth5m/tfds --config.run.num_steps 100
 
-Runs `train.py ARGS --config.log_every=1`, and reports: when the step-1 metrics line appeared
+Runs `train.py ARGS --config.run.log_every=1`, and reports: when the step-1 metrics line appeared
 (seconds after the start), the peak resident memory of the train.py process (VmHWM, polled
 from /proc) and of its grain workers, and the exit status. With `--stop_at_step K` the run is
 killed once step K is logged, so that the peak is that of start-up and training alone (the
@@ -52,7 +52,7 @@ def main():
   parser.add_argument("train_args", nargs=argparse.REMAINDER)
   args = parser.parse_args()
   train_args = [a for a in args.train_args if a != "--"]
-  cmd = [sys.executable, "train.py", *train_args, "--config.log_every=1"]
+  cmd = [sys.executable, "train.py", *train_args, "--config.run.log_every=1"]
   start = time.perf_counter()
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True)

@@ -2,7 +2,7 @@
 tokenization, for each grain worker count.
 
   python benchmarks/input_pipeline.py --config configs/synthetic.py \
-      --set data_dir=data/synth1m --set tfds_dir=data/synth1m/tfds \
+      --set data.data_dir=data/synth1m --set data.tfds_dir=data/synth1m/tfds \
       --workers 1 2 --batches 200 --json out.json
 
 For each worker count, two timed phases, as train.py runs them:
@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
-from transformer_jax import config as config_lib, sections  # noqa: E402
+from transformer_jax import config as config_lib  # noqa: E402
 from transformer_jax.data import pipeline, sources, token_cache  # noqa: E402
 
 
 def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> dict:
-  cfg = sections.data_config(config)
+  cfg = config_lib.parse(config).data
   builder = sources.prepare(cfg.dataset, cfg.tfds_dir or os.path.expanduser(
       "~/tensorflow_datasets"), cfg.data_dir or None)
   split = f"{cfg.train_split}[:{pairs}]" if pairs else cfg.train_split
@@ -57,8 +57,8 @@ def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> 
     tokenize_s = time.perf_counter() - start
     main_cpu_s = time.process_time() - cpu_start
     cache_tokens = int(np.sum(cache.lengths("tgt") + 1))
-    stream = pipeline.TrainStream(cache, batch_size=config.batch_size, max_len=config.max_len,
-                                  overlong=config.overlong, seed=0, num_workers=w)
+    stream = pipeline.TrainStream(cache, batch_size=cfg.batch_size, max_len=cfg.max_len,
+                                  overlong=cfg.overlong, seed=0, num_workers=w)
     start = time.perf_counter()
     next(stream)
     first_s = time.perf_counter() - start
@@ -76,13 +76,13 @@ def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> 
         "tokenize_main_process_cpu_s": main_cpu_s,
         "first_batch_s": first_s, "batches": batches, "pack_s": pack_s,
         "pack_tokens_per_s": pack_rate, "batches_per_s": batches / pack_s,
-        "padding_fraction": 1 - real / (batches * config.batch_size * config.max_len),
+        "padding_fraction": 1 - real / (batches * cfg.batch_size * cfg.max_len),
         "combined_tokens_per_s": 1 / (1 / tok_rate + 1 / pack_rate)})
     print(f"workers {w}: tokenize {tok_rate:,.0f} target tokens/s ({cache.num_pairs / tokenize_s:,.0f}"
           f" pairs/s, {tokenize_s:.1f} s) | pack {pack_rate:,.0f} tokens/s ({batches / pack_s:.1f}"
           f" batches/s, padding {rows[-1]['padding_fraction']:.1%}) | combined "
           f"{rows[-1]['combined_tokens_per_s']:,.0f} tokens/s", flush=True)
-  return {"dataset": cfg.dataset, "split": split, "batch": [config.batch_size, config.max_len],
+  return {"dataset": cfg.dataset, "split": split, "batch": [cfg.batch_size, cfg.max_len],
           "vocab_size": tokenizers.tgt.vocab_size, "cpu_count": os.cpu_count(),
           "machine": platform.processor() or platform.machine(),
           "date": time.strftime("%Y-%m-%d"), "results": rows}

@@ -55,10 +55,11 @@ def main():
 
   config = load_config(args.config, args.set)
   cfg, mesh, state, p_train = train_setup(config)
+  data = config.data
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(
-        synthetic_batch(config.batch_size, config.max_len, config.vocab_size), mesh)
+        synthetic_batch(data.batch_size, data.max_len, data.vocab_size), mesh)
     for _ in range(2):  # Compile and warm up outside the trace.
       state, metrics = p_train(state, batch)
     jax.block_until_ready(metrics)
@@ -69,7 +70,7 @@ def main():
   trace_file = next(Path(trace_dir).rglob("*perfetto_trace.json.gz"))
 
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {args.config} "
-        f"{' '.join(args.set)}; d_model {cfg.d_model}, {config.batch_size} x {config.max_len} "
+        f"{' '.join(args.set)}; d_model {cfg.d_model}, {data.batch_size} x {data.max_len} "
         f"tokens a side, {cfg.dtype}, attention {cfg.attention_impl}; trace in {trace_dir}")
   timelines = kernel_times(trace_file)
   # On an accelerator, only the device's own timelines (the host's hold Python and launches).

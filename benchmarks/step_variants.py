@@ -1,9 +1,9 @@
 """One config's train step in several variants: AOT memory and step time, side by side.
 
   python benchmarks/step_variants.py --config configs/fra_eng.py \
-      --variant loss_chunks=1 --variant loss_chunks=4 [--steps 10] [--json out.json]
+      --variant step.loss_chunks=1 --variant step.loss_chunks=4 [--steps 10] [--json out.json]
   python benchmarks/step_variants.py --config configs/wmt14_base.py --aot_only \
-      --variant batch_size=24 --variant grad_accum_steps=4
+      --variant data.batch_size=24 --variant step.grad_accum_steps=4
 
 Each --variant is a comma-separated list of config overrides (FIELD=VALUE). For every variant
 the library's own train step is compiled ahead of time on synthetic full rows; the table shows
@@ -35,7 +35,7 @@ def compiled_variant(config) -> dict:
   """The AOT-compiled train step of `config` on one synthetic batch, with its memory report and
   a function that runs one step (carrying the donated state along)."""
   _, mesh, state, p_train = train_setup(config)
-  batch = synthetic_batch(config.batch_size, config.max_len, config.vocab_size)
+  batch = synthetic_batch(config.data.batch_size, config.data.max_len, config.data.vocab_size)
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(batch, mesh)
     compiled = p_train.lower(state, batch).compile()
@@ -48,7 +48,7 @@ def compiled_variant(config) -> dict:
 
   report = {k: getattr(memory, k) for k in (
       "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")}
-  return {"memory": report, "step": step, "tokens": config.batch_size * config.max_len}
+  return {"memory": report, "step": step, "tokens": config.data.batch_size * config.data.max_len}
 
 
 def main():

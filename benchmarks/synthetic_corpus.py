@@ -4,7 +4,7 @@ without the internet:
   python benchmarks/synthetic_corpus.py --out data/synth5m --pairs 5000000
 
 Output: OUT/train.tsv and OUT/validation.tsv (`source<TAB>target` lines), which the
-`parallel_tsv` dataset reads (`--config.dataset=parallel_tsv --config.data_dir=OUT`).
+`parallel_tsv` dataset reads (`--config.data.dataset=parallel_tsv --config.data.data_dir=OUT`).
 
 Sentences are words of a Zipf-distributed 60,000-word vocabulary of pronounceable made-up
 words; source lengths in words are log-normal (median 21, mean about 25, 1 to 150: close to

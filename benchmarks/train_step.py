@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
-from transformer_jax import sections, sharding, train_lib  # noqa: E402
+from transformer_jax import config as config_lib, sections, sharding, train_lib  # noqa: E402
 from transformer_jax.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
 from transformer_jax.model import Transformer  # noqa: E402
 
@@ -65,9 +65,9 @@ def real_batches(config, rows: int, packing: bool, count: int):
   import tempfile
   from transformer_jax.data import pipeline  # tfds loads only for real data.
   with tempfile.TemporaryDirectory() as workdir:
-    data = pipeline.prepare(sections.data_config(config), workdir)
-  stream = pipeline.TrainStream(data.train, batch_size=rows, max_len=config.max_len,
-                                overlong=config.overlong, seed=0, pack=packing)
+    data = pipeline.prepare(config_lib.parse(config).data, workdir)
+  stream = pipeline.TrainStream(data.train, batch_size=rows, max_len=config.data.max_len,
+                                overlong=config.data.overlong, seed=0, pack=packing)
   batches = [next(stream) for _ in range(count)]
   stream.close()
   return batches
@@ -75,17 +75,18 @@ def real_batches(config, rows: int, packing: bool, count: int):
 
 def train_setup(config, mesh=None):
   """The library's own model, sharded train state and jitted train step for `config` (source and
-  target vocabulary: config.vocab_size), on `mesh` (default: the config's mesh).
+  target vocabulary: config.data.vocab_size), on `mesh` (default: the config's mesh).
 
   Returns:
     (model config, mesh, state, jitted train_step)
   """
-  mesh = mesh or sharding.make_mesh(config.mesh_shape)
-  cfg = sections.model_config(config, config.vocab_size, config.vocab_size)
+  c = config_lib.parse(config)
+  mesh = mesh or sharding.make_mesh(c.run.mesh_shape)
+  cfg = sections.model_config(c.model, c.data.vocab_size, c.data.vocab_size)
   state, shardings = train_lib.create_train_state(
-      Transformer(cfg), train_lib.make_optimizer(sections.optimizer_config(config)), 0, mesh,
-      config.max_len, ema=config.ema_decay > 0)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, sections.step_config(config))
+      Transformer(cfg), train_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
+      c.data.max_len, ema=c.step.ema_decay > 0)
+  p_train, _ = train_lib.jit_steps(shardings, mesh, c.step)
   return cfg, mesh, state, p_train
 
 
@@ -152,28 +153,28 @@ def main():
 
   config = load_config(args.config, args.set)
   if args.max_len:
-    config.max_len = args.max_len
+    config.data.max_len = args.max_len
   if args.batch_tokens:
-    config.batch_size = max(1, args.batch_tokens // config.max_len)
-  rows = config.batch_size
+    config.data.batch_size = max(1, args.batch_tokens // config.data.max_len)
+  rows = config.data.batch_size
   dtype = jnp.dtype(config.model.dtype)
   device = jax.devices()[0]
   matmul, matmul_n = matmul_rate(dtype)
   peak = peak_flops(device.device_kind)
   cases = {}
   if args.real_data:
-    config.data_dir = args.data_dir
+    config.data.data_dir = args.data_dir
     for packing in (True, False):
       cases["packed" if packing else "padded"] = real_batches(config, rows, packing, 8)
   else:
-    cases["synthetic"] = [synthetic_batch(rows, config.max_len, config.vocab_size)]
+    cases["synthetic"] = [synthetic_batch(rows, config.data.max_len, config.data.vocab_size)]
   results = {name: benchmark(config, batches, args.steps) for name, batches in cases.items()}
 
   cpu = platform.processor() or platform.machine()
   print(f"device: {device.device_kind} x{jax.device_count()} ({cpu}, {os.cpu_count()} cores), "
         f"jax {jax.__version__}; config {args.config}: d_model {config.model.d_model}, "
         f"{config.model.num_encoder_layers}+{config.model.num_decoder_layers} layers, "
-        f"{rows} x {config.max_len} tokens a side, {config.model.dtype}")
+        f"{rows} x {config.data.max_len} tokens a side, {config.model.dtype}")
   print(f"matrix product rate ({dtype.name}, {matmul_n}^3): {matmul / 1e9:.1f} GFLOP/s"
         + (f"; vendor peak {peak / 1e12:.0f} TFLOP/s" if peak else ""))
   for name, r in results.items():

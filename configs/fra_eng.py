@@ -2,7 +2,7 @@
 
 Command (data read from a local copy of fra-eng.zip):
   python train.py --config configs/fra_eng.py --workdir runs/fra_eng \
-      --config.data_dir ../shared/data/fra-eng
+      --config.data.data_dir ../shared/data/fra-eng
 The recipe was chosen on the validation split (README, "Choosing the recipe"): against the
 first default (rsqrt schedule, rows of 48 x 48, no augmentation) it decays the learning rate to
 0 with a cosine, joins training pairs into longer examples (concatenation augmentation; the
@@ -20,19 +20,15 @@ from transformer_jax.config import base_config, smoke, variants
 def get_config(arg=None):
   arg = variants(arg, ("smoke",))
   c = base_config()
-  c.dataset = "fra_eng"
-  c.vocab_size = 8000
-  c.max_len = 64
-  c.batch_size = 36  # 36 x 64 = 2,304 token slots a side, as 48 x 48 before.
-  c.concat_prob, c.concat_max = 0.3, 3
+  c.data.update(dataset="fra_eng", vocab_size=8000, max_len=64,
+                batch_size=36,  # 36 x 64 = 2,304 token slots a side, as 48 x 48 before.
+                concat_prob=0.3, concat_max=3)
   c.model.update(d_model=256, num_heads=4, ffn_dim=1024, num_encoder_layers=3,
                  num_decoder_layers=3, dropout_rate=0.0)  # 0.1: 2.5 BLEU less on validation.
-  c.num_steps = 2000
-  c.schedule = "cosine"
-  c.learning_rate = 1e-3
-  c.warmup_steps = 300
-  c.ema_decay = 0.0  # 0.998 gave 0.23 less validation BLEU than the parameters themselves.
-  c.eval_every = c.checkpoint_every = 250
+  c.optimizer.update(schedule="cosine", learning_rate=1e-3, warmup_steps=300)
+  c.step.ema_decay = 0.0  # 0.998 gave 0.23 less validation BLEU than the parameters themselves.
+  c.run.update(num_steps=2000, checkpoint_every=250)
+  c.eval.every = 250
   c.decode.alpha = 1.0  # Chosen on validation (beam 4): Tatoeba 26.14 with these settings.
   if "smoke" in arg:
     c.model.dropout_rate = 0.1  # Kept in smoke runs: the resume tests then cover dropout masks.

@@ -4,7 +4,7 @@ what a CPU steps through in seconds.
 
   python benchmarks/synthetic_corpus.py --out data/synth5m --pairs 5000000
   python train.py --config configs/synthetic.py:cpu --workdir runs/synth5m \
-      --config.data_dir data/synth5m --config.tfds_dir data/synth5m/tfds
+      --config.data.data_dir data/synth5m --config.data.tfds_dir data/synth5m/tfds
 Prepare each corpus into its own tfds_dir (the prepared dataset is named `parallel_tsv`).
 Figures (first-step latency, peak memory at 1M and 5M pairs): benchmarks/README.md.
 """
@@ -15,14 +15,11 @@ from transformer_jax.config import base_config, smoke, variants
 def get_config(arg=None):
   arg = variants(arg, ("cpu", "smoke"))
   c = base_config()
-  c.dataset = "parallel_tsv"
-  c.vocab_size = 32_000
-  c.max_len = 256
-  c.batch_size = 96  # 96 packed rows x 256 = 24.6k tokens a side, as configs/wmt14_base.py.
-  c.num_bleu_sentences = 64
-  c.num_eval_batches = 4
+  c.data.update(dataset="parallel_tsv", vocab_size=32_000, max_len=256,
+                batch_size=96)  # 96 packed rows x 256 = 24.6k tokens a side, as wmt14_base.
+  c.eval.update(bleu_sentences=64, num_batches=4, every=2000)
   c.model.dtype = "bfloat16"
-  c.eval_every = c.checkpoint_every = 2000
+  c.run.checkpoint_every = 2000
   if "cpu" in arg:
     c.model.update(d_model=64, num_heads=4, ffn_dim=128, num_encoder_layers=1,
                    num_decoder_layers=1, dtype="float32")

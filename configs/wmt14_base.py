@@ -12,14 +12,10 @@ from transformer_jax.config import base_config, smoke, variants
 def get_config(arg=None):
   arg = variants(arg, ("smoke",))
   c = base_config()
-  c.dataset = "wmt14_en_de"
-  c.eval_split = "validation"
-  c.vocab_size = 32_000
-  c.max_len = 256
-  c.batch_size = 96  # 96 packed rows x 256 = 24.6k tokens a side.
-  c.num_steps = 100_000
-  c.warmup_steps = 4000
-  c.learning_rate = 512 ** -0.5 * 4000 ** -0.5
+  c.data.update(dataset="wmt14_en_de", eval_split="validation", vocab_size=32_000, max_len=256,
+                batch_size=96)  # 96 packed rows x 256 = 24.6k tokens a side.
+  c.optimizer.update(warmup_steps=4000, learning_rate=512 ** -0.5 * 4000 ** -0.5)
   c.model.dtype = "bfloat16"
-  c.eval_every = c.checkpoint_every = 2000
+  c.run.update(num_steps=100_000, checkpoint_every=2000)
+  c.eval.every = 2000
   return smoke(c) if "smoke" in arg else c

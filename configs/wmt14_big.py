@@ -13,6 +13,6 @@ def get_config(arg=None):
   arg = variants(arg, ("smoke",))
   c = wmt14_base.get_config()
   c.model.update(d_model=1024, num_heads=16, ffn_dim=4096, dropout_rate=0.3)
-  c.num_steps = 300_000
-  c.learning_rate = 1024 ** -0.5 * 4000 ** -0.5
+  c.run.num_steps = 300_000
+  c.optimizer.learning_rate = 1024 ** -0.5 * 4000 ** -0.5
   return smoke(c) if "smoke" in arg else c

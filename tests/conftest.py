@@ -38,9 +38,8 @@ def smoke_config(tfds_dir, cache_dir):
   """configs/fra_eng.py:smoke pointed at the shared data and the tests' compilation cache."""
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
-  config.data_dir = str(DATA / "fra-eng")
-  config.tfds_dir = tfds_dir
-  config.compilation_cache_dir = str(cache_dir)
+  config.data.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir)
+  config.run.compilation_cache_dir = str(cache_dir)
   return config
 
 
@@ -48,7 +47,8 @@ def tiny_model_config(**overrides):
   """One tiny model for all model, sharding and step tests."""
   from transformer_jax.model import TransformerConfig
   kwargs = dict(src_vocab_size=128, tgt_vocab_size=128, d_model=32, num_heads=4, ffn_dim=64,
-                num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
+                num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
+                share_embeddings=False, tie_output=False, attention_impl="xla")
   kwargs.update(overrides)
   return TransformerConfig(**kwargs)
 
@@ -60,8 +60,10 @@ def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
   from transformer_jax import trainer
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
-  config.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_bleu_sentences=0,
-                num_workers="0", compilation_cache_dir=str(cache_dir), ema_decay=0.9)
+  config.data.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_workers="0")
+  config.eval.bleu_sentences = 0
+  config.run.compilation_cache_dir = str(cache_dir)
+  config.step.ema_decay = 0.9
   workdir = tmp_path_factory.mktemp("trained")
   trainer.train_and_evaluate(config, str(workdir))
   return config, workdir

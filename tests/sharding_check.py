@@ -5,6 +5,7 @@ Trains the tiny model for a few steps on one device and on each (data, fsdp, ten
 as JSON.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -12,7 +13,7 @@ import jax
 import numpy as np
 
 from tests.conftest import tiny_model_config
-from transformer_jax import sections, sharding, train_lib
+from transformer_jax import config as config_lib, sharding, train_lib
 from transformer_jax.model import Transformer
 from configs import fra_eng
 
@@ -34,13 +35,12 @@ def batches(n, rows=16, length=12, seed=0):
 
 
 def run(mesh_shape, devices):
-  config = fra_eng.get_config()
-  config.warmup_steps = 2
+  config = config_lib.parse(fra_eng.get_config())
+  optimizer = dataclasses.replace(config.optimizer, warmup_steps=2)
   mesh = sharding.make_mesh(mesh_shape, devices)
   model = Transformer(tiny_model_config(dropout_rate=0.1))
-  state, shardings = train_lib.create_train_state(model, train_lib.make_optimizer(
-      sections.optimizer_config(config)), 0,
-                                                  mesh, 12)
+  state, shardings = train_lib.create_train_state(
+      model, train_lib.make_optimizer(optimizer, config.run.num_steps), 0, mesh, 12)
   p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
   losses = []
   with sharding.mesh_context(mesh):

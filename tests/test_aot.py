@@ -82,7 +82,7 @@ def test_fsdp_splits_parameters_and_optimizer_state(plugins, tmp_path):
   reports = {}
   for mesh in ("(4,1,1)", "(1,4,1)"):
     result, reports[mesh] = _aot(plugins, "--topology", "v5e:2x2", "--programs", "train",
-                                 f"--config.mesh_shape={mesh}", json_path=tmp_path / "r.json")
+                                 f"--config.run.mesh_shape={mesh}", json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.stderr[-3000:]
   data, fsdp = reports["(4,1,1)"], reports["(1,4,1)"]
   for key in ("params_bytes_per_device", "opt_state_bytes_per_device"):
@@ -101,7 +101,7 @@ def test_fsdp_splits_parameters_and_optimizer_state(plugins, tmp_path):
 def test_a_batch_that_does_not_fit_is_a_verdict_and_a_nonzero_exit(plugins, tmp_path):
   # 262,144 rows x 32 positions x 512 logits in float32 alone are 16 GiB a v5e chip lacks.
   result, report = _aot(plugins, "--topology", "v5e:2x2", "--programs", "train",
-                        "--config.batch_size=262144", json_path=tmp_path / "big.json")
+                        "--config.data.batch_size=262144", json_path=tmp_path / "big.json")
   assert result.returncode == 3
   assert _error_line(result) == "error: train does not fit in v5e's 16.00 GiB per device"
   assert report["fits"] is False and report["programs"]["train"]["fits"] is False
@@ -110,10 +110,10 @@ def test_a_batch_that_does_not_fit_is_a_verdict_and_a_nonzero_exit(plugins, tmp_
 
 @pytest.mark.parametrize("args,message", [
     (["--topology", "v9:2x2"], "error: --topology 'v9:2x2' is not a known target"),
-    (["--topology", "v5e:2x2", "--config.mesh_shape=(8,1,1)"],
-     "error: v5e:2x2 (4 devices): mesh_shape (8, 1, 1) needs 8 devices, found 4 (tpu)"),
-    (["--topology", "v5e:2x2", "--config.batch_size=6"],
-     "error: v5e:2x2 (4 devices): batch_size=6 does not split over the mesh's 4 data-parallel "
+    (["--topology", "v5e:2x2", "--config.run.mesh_shape=(8,1,1)"],
+     "error: v5e:2x2 (4 devices): run.mesh_shape (8, 1, 1) needs 8 devices, found 4 (tpu)"),
+    (["--topology", "v5e:2x2", "--config.data.batch_size=6"],
+     "error: v5e:2x2 (4 devices): data.batch_size=6 does not split over the mesh's 4 data-parallel "
      "devices"),
     (["--topology", "h100:1", "--config.model.dtype=bfloat16"],
      "error: cuDNN's fused attention (model.attention_impl='auto': bfloat16 on a GPU) cannot be "
@@ -160,12 +160,13 @@ def test_a_saved_train_step_is_what_train_py_runs(tmp_path, cache_dir, fra_eng_b
   def train(workdir, *extra):
     return subprocess.run(
         [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
-         str(workdir), f"--config.data_dir={DATA / 'fra-eng'}", f"--config.tfds_dir={tfds_dir}",
-         f"--config.compilation_cache_dir={cache_dir}", "--config.num_workers=0",
-         "--config.num_bleu_sentences=0", *extra],
+         str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
+         f"--config.data.tfds_dir={tfds_dir}",
+         f"--config.run.compilation_cache_dir={cache_dir}", "--config.data.num_workers=0",
+         "--config.eval.bleu_sentences=0", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
 
-  loaded = train(tmp_path / "loaded", f"--config.compiled_train_step={saved}")
+  loaded = train(tmp_path / "loaded", f"--config.run.compiled_train_step={saved}")
   assert loaded.returncode == 0, loaded.stderr[-3000:]
   assert f"Running the train step compiled ahead of time in {saved}" in loaded.stderr
   compiled = train(tmp_path / "compiled")
@@ -175,8 +176,8 @@ def test_a_saved_train_step_is_what_train_py_runs(tmp_path, cache_dir, fra_eng_b
                       if "train/loss" in r]
   assert losses(tmp_path / "loaded") == losses(tmp_path / "compiled") != []
 
-  other = train(tmp_path / "other", f"--config.compiled_train_step={saved}",
-                "--config.batch_size=32")
+  other = train(tmp_path / "other", f"--config.run.compiled_train_step={saved}",
+                "--config.data.batch_size=32")
   assert other.returncode == 1
   assert _error_line(other) == (
       f"error: compiled_train_step {saved} holds another program than this run's train step "

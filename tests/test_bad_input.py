@@ -27,19 +27,20 @@ def _cli(*args, devices=1):
 
 
 @pytest.mark.parametrize("args,devices,message", [
-    (["--config.batch_size=6", "--config.mesh_shape=(4,1,1)"], 4,
-     "error: batch_size=6 does not split over the mesh's 4 data-parallel devices"),
-    (["--config.batch_size=8", "--config.grad_accum_steps=4", "--config.mesh_shape=(4,1,1)"],
-     4, "error: batch_size=8 / grad_accum_steps=4 = 2 rows a microbatch do not split over the "
-     "mesh's 4 data-parallel devices"),
-    (["--config.mesh_shape=(8,1,1)"], 1,
-     "error: mesh_shape (8, 1, 1) needs 8 devices, found 1 (cpu)"),
+    (["--config.data.batch_size=6", "--config.run.mesh_shape=(4,1,1)"], 4,
+     "error: data.batch_size=6 does not split over the mesh's 4 data-parallel devices"),
+    (["--config.data.batch_size=8", "--config.step.grad_accum_steps=4",
+      "--config.run.mesh_shape=(4,1,1)"],
+     4, "error: data.batch_size=8 / step.grad_accum_steps=4 = 2 rows a microbatch do not split "
+     "over the mesh's 4 data-parallel devices"),
+    (["--config.run.mesh_shape=(8,1,1)"], 1,
+     "error: run.mesh_shape (8, 1, 1) needs 8 devices, found 1 (cpu)"),
 ])
 def test_cli_errors_are_one_line_and_write_nothing(tmp_path, tfds_dir, args, devices, message):
   workdir = tmp_path / "run"
   result = _cli("--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
-                f"--config.data_dir={DATA / 'fra-eng'}", f"--config.tfds_dir={tmp_path / 'tfds'}",
-                *args, devices=devices)
+                f"--config.data.data_dir={DATA / 'fra-eng'}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}", *args, devices=devices)
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith(message), result.stderr[-2000:]
@@ -54,6 +55,13 @@ def test_unknown_config_field_is_named(tmp_path):
   assert result.stderr.strip().splitlines() == [
       "error: --config.bogus: no such config field (the fields and their meanings are in "
       "transformer_jax/config.py)"]
+  result = _cli("--config", "configs/fra_eng.py:smoke", "--workdir", str(tmp_path / "w"),
+                "--config.num_steps=3")  # A field of the config before it had sections.
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines() == [
+      "error: --config.num_steps: no such config field; it is --config.run.num_steps (the "
+      "fields and their meanings are in transformer_jax/config.py)"]
+  assert not (tmp_path / "w").exists()
 
 
 def test_empty_workdir_flag(tmp_path):
@@ -65,16 +73,19 @@ def test_empty_workdir_flag(tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     (dict(model=dict(num_heads=0)), "model.num_heads=0 must be a positive integer"),
-    (dict(grad_clip=-1.0), "grad_clip=-1.0 must be >= 0"),
-    (dict(warmup_steps=-5), "warmup_steps=-5 must be >= 0"),
-    (dict(nonfinite="ignore"), "nonfinite='ignore' must be 'stop' or 'skip'"),
-    (dict(batch_size=0), "batch_size=0 must be positive"),
-    (dict(grad_accum_steps=3), "grad_accum_steps=3 must be positive and divide batch_size=16"),
-    (dict(loss_chunks=5), "loss_chunks=5 must be positive and divide max_len=32"),
-    (dict(dataset="wmt99"), "dataset='wmt99' is unknown"),
-    (dict(ema_decay=1.0), "ema_decay=1.0 must be in [0, 1) (0: no moving average)"),
-    (dict(concat_prob=-0.1), "concat_prob=-0.1 must be in [0, 1) (0: no concatenation)"),
-    (dict(concat_max=0), "concat_max=0 must be at least 1 (pairs)"),
+    (dict(optimizer=dict(grad_clip=-1.0)), "optimizer.grad_clip=-1.0 must be >= 0"),
+    (dict(optimizer=dict(warmup_steps=-5)), "optimizer.warmup_steps=-5 must be >= 0"),
+    (dict(run=dict(nonfinite="ignore")), "run.nonfinite='ignore' must be 'stop' or 'skip'"),
+    (dict(data=dict(batch_size=0)), "data.batch_size=0 must be a positive integer"),
+    (dict(step=dict(grad_accum_steps=3)),
+     "step.grad_accum_steps=3 must divide data.batch_size=16"),
+    (dict(step=dict(loss_chunks=5)), "step.loss_chunks=5 must divide data.max_len=32"),
+    (dict(data=dict(dataset="wmt99")), "data.dataset='wmt99' is unknown"),
+    (dict(step=dict(ema_decay=1.0)),
+     "step.ema_decay=1.0 must be in [0, 1) (0: no moving average)"),
+    (dict(data=dict(concat_prob=-0.1)),
+     "data.concat_prob=-0.1 must be in [0, 1) (0: no concatenation)"),
+    (dict(data=dict(concat_max=0)), "data.concat_max=0 must be at least 1 (pairs)"),
 ])
 def test_bad_config_values_are_named(smoke_config, tmp_path, change, message):
   smoke_config.update(change)
@@ -88,13 +99,13 @@ def test_zero_grad_clip_means_no_clipping_and_zero_warmup_means_none():
   import optax
   cfg = train_lib.OptimizerConfig(grad_clip=0.0, warmup_steps=0, learning_rate=1e-3,
                                   schedule="rsqrt")
-  tx = train_lib.make_optimizer(cfg)
+  tx = train_lib.make_optimizer(cfg, num_steps=100)
   params = {"w": jnp.ones(3)}
   updates, _ = tx.update({"w": jnp.full(3, 100.0)}, tx.init(params), params)
   assert float(jnp.abs(updates["w"]).max()) > 0  # Gradients are not zeroed.
-  schedule = train_lib.learning_rate_schedule(cfg)
+  schedule = train_lib.learning_rate_schedule(cfg, num_steps=100)
   assert float(schedule(0)) == pytest.approx(1e-3) and float(schedule(3)) == pytest.approx(5e-4)
-  clipped = train_lib.make_optimizer(train_lib.OptimizerConfig(grad_clip=1.0))
+  clipped = train_lib.make_optimizer(train_lib.OptimizerConfig(grad_clip=1.0), num_steps=100)
   assert isinstance(clipped.init(params), tuple) and optax  # Same state structure either way.
   assert len(clipped.init(params)) == len(tx.init(params))
 
@@ -115,7 +126,7 @@ def test_bad_corpus_files_are_named_by_line(smoke_config, tmp_path, content, mes
   data = tmp_path / "data"
   data.mkdir()
   (data / "fra.txt").write_bytes(content)
-  smoke_config.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
+  smoke_config.data.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match=message):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
@@ -126,7 +137,7 @@ def test_a_corrupt_zip_is_named(smoke_config, tmp_path):
   data = tmp_path / "data"
   data.mkdir()
   (data / "fra-eng.zip").write_bytes(b"PK\x03\x04 not really a zip")
-  smoke_config.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
+  smoke_config.data.update(data_dir=str(data), tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match="fra-eng.zip is not a readable zip file"):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   with zipfile.ZipFile(data / "fra-eng.zip", "w") as zf:
@@ -140,7 +151,7 @@ def test_a_corrupt_zip_is_named(smoke_config, tmp_path):
     ("validation[:0]", r"split 'validation\[:0\]' of fra_eng cannot be read"),
 ])
 def test_a_bad_split_is_named(smoke_config, tmp_path, split, message):
-  smoke_config.eval_split = split
+  smoke_config.data.eval_split = split
   with pytest.raises(DatasetError, match=message):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
@@ -148,7 +159,7 @@ def test_a_bad_split_is_named(smoke_config, tmp_path, split, message):
 
 def test_no_data_dir_and_an_unreachable_source_fails_fast(smoke_config, tmp_path, monkeypatch):
   monkeypatch.setitem(sources.DOWNLOAD_HOSTS, "fra_eng", "127.0.0.1")  # Nothing listens on 443.
-  smoke_config.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))
+  smoke_config.data.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match="fra_eng is not prepared in tfds_dir and its source "
                      "127.0.0.1 cannot be reached"):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))

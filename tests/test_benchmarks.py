@@ -31,9 +31,10 @@ def test_model_flops_follows_the_documented_formula():
 
 
 def test_load_config_applies_overrides_and_rejects_unknown_fields():
-  config = common.load_config("configs/fra_eng.py", ["model.d_model=512", "batch_size=7",
+  config = common.load_config("configs/fra_eng.py", ["model.d_model=512", "data.batch_size=7",
                                                      "model.attention_impl=xla"])
-  assert (config.model.d_model, config.batch_size, config.model.attention_impl) == (512, 7, "xla")
+  assert (config.model.d_model, config.data.batch_size, config.model.attention_impl) == (
+      512, 7, "xla")
   with pytest.raises(ValueError, match="no field 'model.no_such_field'"):
     common.load_config("configs/fra_eng.py", ["model.no_such_field=1"])
   with pytest.raises(TypeError):
@@ -43,7 +44,7 @@ def test_load_config_applies_overrides_and_rejects_unknown_fields():
 
 
 def test_real_batches_count_real_tokens_packed_and_padded(smoke_config):
-  smoke_config.batch_size = 8
+  smoke_config.data.batch_size = 8
   results = {}
   for packing in (True, False):
     batches = train_step.real_batches(smoke_config, 8, packing, count=2)
@@ -101,19 +102,20 @@ def test_step_variants_reports_each_variants_memory_and_time(tmp_path):
   out = tmp_path / "v.json"
   result = subprocess.run(
       [sys.executable, "benchmarks/step_variants.py", "--config", "configs/fra_eng.py:smoke",
-       "--steps", "2", "--variant", "loss_chunks=1", "--variant",
-       "grad_accum_steps=2,loss_chunks=4", "--json", str(out)],
+       "--steps", "2", "--variant", "step.loss_chunks=1", "--variant",
+       "step.grad_accum_steps=2,step.loss_chunks=4", "--json", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   got = json.loads(out.read_text())["results"]
-  assert list(got) == ["loss_chunks=1", "grad_accum_steps=2,loss_chunks=4"]
+  assert list(got) == ["step.loss_chunks=1", "step.grad_accum_steps=2,step.loss_chunks=4"]
   for r in got.values():
     assert r["memory"]["temp_size_in_bytes"] > 0 and len(r["step_s"]) == 2
-  assert got["loss_chunks=1"]["temp_ratio"] == 1.0 and got["loss_chunks=1"]["step_ratio"] == 1.0
+  plain = got["step.loss_chunks=1"]
+  assert plain["temp_ratio"] == 1.0 and plain["step_ratio"] == 1.0
   # Half the rows at a time, a quarter of their logits at a time.
-  assert got["grad_accum_steps=2,loss_chunks=4"]["temp_ratio"] < 0.8
+  assert got["step.grad_accum_steps=2,step.loss_chunks=4"]["temp_ratio"] < 0.8
   bad = subprocess.run(
       [sys.executable, "benchmarks/step_variants.py", "--config", "configs/fra_eng.py:smoke",
-       "--aot_only", "--variant", "loss_chunks=5"], cwd=ROOT, capture_output=True, text=True)
+       "--aot_only", "--variant", "step.loss_chunks=5"], cwd=ROOT, capture_output=True, text=True)
   assert bad.returncode != 0
-  assert "loss_chunks=5 must be positive and divide max_len=32" in bad.stderr
+  assert "step.loss_chunks=5 must divide data.max_len=32" in bad.stderr

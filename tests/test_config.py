@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -16,30 +18,33 @@ pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 def test_every_config_validates(name, arg):
   module = __import__(f"configs.{name}", fromlist=["get_config"])
   config = module.get_config(arg)
-  config_lib.validate(config)
-  model = sections.model_config(config, 1000, 1000)
+  cfg = config_lib.validate(config)
+  model = sections.model_config(cfg.model, 1000, 1000)
   assert model.tgt_vocab_size == 1024  # Padded to a multiple of 128.
 
 
 def test_d2l_tiny_has_the_chapters_settings():
   from configs import d2l_tiny
   c = d2l_tiny.get_config()
-  assert (c.max_len, c.batch_size, c.learning_rate, c.grad_clip) == (9, 128, 1e-3, 1.0)
+  assert (c.data.max_len, c.data.batch_size, c.optimizer.learning_rate,
+          c.optimizer.grad_clip) == (9, 128, 1e-3, 1.0)
   assert (c.model.num_encoder_layers, c.model.d_model, c.model.ffn_dim, c.model.num_heads,
           c.model.dropout_rate) == (2, 256, 64, 4, 0.2)
-  assert c.num_steps * c.batch_size == 30 * 512 and c.train_split == "train[:512]"
+  assert c.run.num_steps * c.data.batch_size == 30 * 512 and c.data.train_split == "train[:512]"
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("dataset", "nope", "dataset='nope' is unknown"),
-    ("data_dir", "/does/not/exist", "data_dir='/does/not/exist' is not a directory"),
-    ("schedule", "linear", "schedule='linear' must be one of"),
-    ("mesh_shape", (1, 1), "mesh_shape=(1, 1) must have 3 entries"),
+    ("data.dataset", "nope", "data.dataset='nope' is unknown"),
+    ("data.data_dir", "/does/not/exist", "data.data_dir='/does/not/exist' is not a directory"),
+    ("optimizer.schedule", "linear", "optimizer.schedule='linear' must be one of"),
+    ("run.mesh_shape", (1, 1), "run.mesh_shape=(1, 1) must have 3 entries"),
+    ("step.grad_accum_steps", 5, "step.grad_accum_steps=5 must divide data.batch_size=36"),
 ])
 def test_bad_fields_are_named(field, value, message):
   from configs import fra_eng
   config = fra_eng.get_config()
-  config[field] = value
+  section, name = field.split(".")
+  config[section][name] = value
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     sections.validated(config)
 
@@ -58,47 +63,48 @@ def test_train_py_fails_in_one_line_before_compiling(tmp_path):
 def test_a_workdir_of_another_model_is_refused():
   from configs import fra_eng
   saved = fra_eng.get_config("smoke")
-  workdir_lib.check_same_model(saved.to_json(), saved)  # Same model: fine.
+  workdir_lib.check_same_model(saved, saved)  # Same model: fine.
   scanned = fra_eng.get_config("smoke")
   scanned.model.scan_layers = True
-  scanned.vocab_size = 300
-  with pytest.raises(config_lib.ConfigError, match="model.scan_layers, vocab_size differ"):
-    workdir_lib.check_same_model(saved.to_json(), scanned)
+  scanned.data.vocab_size = 300
+  with pytest.raises(config_lib.ConfigError, match="model.scan_layers, data.vocab_size differ"):
+    workdir_lib.check_same_model(saved, scanned)
   averaged = fra_eng.get_config("smoke")
-  averaged.ema_decay = 0.0 if saved.ema_decay else 0.99  # Checkpoints with(out) an average.
-  with pytest.raises(config_lib.ConfigError, match="ema_decay differ"):
-    workdir_lib.check_same_model(saved.to_json(), averaged)
-  averaged.ema_decay, saved.ema_decay = 0.99, 0.999  # Another decay: the same checkpoints.
-  workdir_lib.check_same_model(saved.to_json(), averaged)
+  averaged.step.ema_decay = 0.0 if saved.step.ema_decay else 0.99  # With(out) an average.
+  with pytest.raises(config_lib.ConfigError, match="step.ema_decay differ"):
+    workdir_lib.check_same_model(saved, averaged)
+  averaged.step.ema_decay, saved.step.ema_decay = 0.99, 0.999  # Another decay: same checkpoints.
+  workdir_lib.check_same_model(saved, averaged)
 
 
 def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
-  assert config.schedule == "cosine" and config.num_steps == 20
+  assert config.optimizer.schedule == "cosine" and config.run.num_steps == 20
   (tmp_path / "checkpoints" / "10").mkdir(parents=True)
   (tmp_path / "config.json").write_text(config.to_json())
   caplog.set_level("WARNING")
   Workdir(str(tmp_path)).check_resumable(config)  # The same command: nothing to say.
-  config.grad_clip = 0.5  # Not a learning rate.
+  config.optimizer.grad_clip = 0.5  # Not a learning rate.
   Workdir(str(tmp_path)).check_resumable(config)
   assert "learning rates" not in caplog.text
-  config.num_steps = 40  # The cosine now decays over 40 steps.
+  config.run.num_steps = 40  # The cosine now decays over 40 steps.
   Workdir(str(tmp_path)).check_resumable(config)
-  assert ("num_steps=40 (the run's: 20), grad_clip=0.5 (the run's: 1.0): the learning rates "
+  assert ("run.num_steps=40 (the run's: 20), optimizer.grad_clip=0.5 (the run's: 1.0): the "
+          "learning rates "
           "from the checkpoint of step 10 on are not the ones the run was following"
           ) in caplog.text
   caplog.clear()
   saved = fra_eng.get_config("smoke")
-  saved.schedule = "rsqrt"  # Does not span num_steps: extending the run changes nothing.
+  saved.optimizer.schedule = "rsqrt"  # Does not span num_steps: extending it changes nothing.
   (tmp_path / "config.json").write_text(saved.to_json())
   config = fra_eng.get_config("smoke")
-  config.schedule, config.num_steps = "rsqrt", 40
+  config.optimizer.schedule, config.run.num_steps = "rsqrt", 40
   Workdir(str(tmp_path)).check_resumable(config)
   assert "learning rates" not in caplog.text
-  config.learning_rate *= 2
+  config.optimizer.learning_rate *= 2
   Workdir(str(tmp_path)).check_resumable(config)
-  assert "learning_rate=0.002 (the run's: 0.001)" in caplog.text
+  assert "optimizer.learning_rate=0.002 (the run's: 0.001)" in caplog.text
 
 
 def test_a_damaged_config_json_of_a_resumed_run_is_one_error(tmp_path):
@@ -107,3 +113,44 @@ def test_a_damaged_config_json_of_a_resumed_run_is_one_error(tmp_path):
   (tmp_path / "config.json").write_text('{"dataset": "fra_')  # Cut short.
   with pytest.raises(WorkdirError, match=r"config.json is damaged \(Unterminated"):
     Workdir(str(tmp_path)).check_resumable(fra_eng.get_config("smoke"))
+
+
+def test_each_section_is_the_dataclass_its_subsystem_uses():
+  from transformer_jax.data import pipeline
+  from transformer_jax import model, train_lib
+  assert pipeline.DataConfig is config_lib.DataConfig
+  assert train_lib.OptimizerConfig is config_lib.OptimizerConfig
+  assert train_lib.StepConfig is config_lib.StepConfig
+  assert issubclass(model.TransformerConfig, config_lib.ModelConfig)
+  # base_config is the dataclasses' defaults, section by section and field by field.
+  assert config_lib.base_config().to_dict() == config_lib.Config().to_dict()
+  assert set(config_lib.Config().to_dict()) == {
+      "data", "model", "optimizer", "step", "eval", "run", "decode"}
+
+
+def test_a_section_checks_its_own_fields():
+  with pytest.raises(config_lib.ConfigError, match=r"^eval.every=0 must be a positive integer$"):
+    config_lib.EvalConfig(every=0)
+  with pytest.raises(config_lib.ConfigError, match=r"^model.remat='some' must be none, full"):
+    config_lib.ModelConfig(remat="some")
+  config = config_lib.base_config()
+  config.data.bogus = 1
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^data.bogus is not a field of the data section$"):
+    config_lib.parse(config)
+
+
+def test_a_flat_config_json_of_an_older_run_is_read_in_sections(tmp_path):
+  from configs import fra_eng
+  cfg = config_lib.parse(fra_eng.get_config("smoke"))
+  flat = {k: v for section in cfg.to_dict().values() for k, v in section.items()
+          if k not in ("every", "batch_size", "num_batches", "bleu_sentences")}
+  flat.update(model=cfg.to_dict()["model"], batch_size=cfg.data.batch_size,
+              eval_every=cfg.eval.every, eval_batch_size=cfg.eval.batch_size,
+              num_bleu_sentences=cfg.eval.bleu_sentences, num_eval_batches=-1,
+              removed_since=1)
+  for name in ("beam_size", "alpha", "segment_over", "long_beam_size", "long_over"):
+    del flat[name]  # A run older than the decode section: base_config's.
+  (tmp_path / "config.json").write_text(json.dumps(flat))
+  loaded = Workdir(tmp_path).load_config()
+  assert loaded == dataclasses.replace(cfg, decode=config_lib.DecodeConfig())

@@ -289,7 +289,7 @@ def test_prepare_fits_the_tokenizer_once_and_shares_it(fra_eng_builder, tfds_dir
       dataset="fra_eng", data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir,
       cache_dir=str(tmp_path / "cache"), train_split="train[:3000]", eval_split="validation[:100]",
       tokenizer="sentencepiece", vocab_size=300, tokenizer_sample=1000, max_len=32,
-      overlong="drop", num_workers=0)
+      overlong="drop", num_workers=0, batch_size=16)
   first = pipeline.prepare(cfg, tmp_path / "w1", num_bleu_sentences=10)
   assert first.train.num_pairs == 3000 and first.eval.num_pairs == 100
   assert len(first.bleu_pairs) == 10 and first.bleu_pairs[0] == sources.pairs(

@@ -22,11 +22,11 @@ def _train(workdir, tfds_dir, cache_dir, num_steps, processes, extra=(), devices
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // processes}")
   cmd = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
-         "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
-         f"--config.tfds_dir={tfds_dir}", f"--config.num_steps={num_steps}",
-         f"--config.mesh_shape=({devices},1,1)", "--config.num_bleu_sentences=16",
-         "--config.log_every=1", "--config.num_workers=0",
-         f"--config.compilation_cache_dir={cache_dir}", *extra]
+         "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
+         f"--config.data.tfds_dir={tfds_dir}", f"--config.run.num_steps={num_steps}",
+         f"--config.run.mesh_shape=({devices},1,1)", "--config.eval.bleu_sentences=16",
+         "--config.run.log_every=1", "--config.data.num_workers=0",
+         f"--config.run.compilation_cache_dir={cache_dir}", *extra]
   if processes > 1:
     cmd += ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes)]
   procs = [subprocess.Popen(cmd + (["--process_id", str(i)] if processes > 1 else []), cwd=ROOT,
@@ -58,9 +58,9 @@ def test_two_process_training_run(tmp_path, tfds_dir, cache_dir, fra_eng_builder
 def test_resuming_on_another_number_of_processes_or_devices_sees_the_same_batches(
     tmp_path, tfds_dir, cache_dir, fra_eng_builder):
   # Each leg ends by asking for fewer steps: a schedule that does not span num_steps.
-  rsqrt = "--config.schedule=rsqrt"
+  rsqrt = "--config.optimizer.schedule=rsqrt"
   _train(tmp_path / "straight", tfds_dir, cache_dir, 12, processes=1,
-         extra=[rsqrt, "--config.num_bleu_sentences=0"])
+         extra=[rsqrt, "--config.eval.bleu_sentences=0"])
   straight = _train_records(tmp_path / "straight")
   # (processes, devices) of three legs of 4 steps each: 2 processes on 4 devices -> 1 process on
   # 1 device -> 2 processes on 4 devices again (fewer and more of both).
@@ -68,7 +68,8 @@ def test_resuming_on_another_number_of_processes_or_devices_sees_the_same_batche
   for i, (processes, devices) in enumerate(((2, 4), (1, 1), (2, 4))):
     logs = _train(workdir, tfds_dir, cache_dir, 4 * (i + 1), processes=processes,
                   devices=devices,
-                  extra=[rsqrt, "--config.checkpoint_every=4", "--config.num_bleu_sentences=0"])
+                  extra=[rsqrt, "--config.run.checkpoint_every=4",
+                         "--config.eval.bleu_sentences=0"])
     if i:
       assert f"Resuming from the checkpoint of step {4 * i}" in logs[0]
   moved = _train_records(workdir)
@@ -88,11 +89,11 @@ def test_slurm_environment_two_processes_stop_together_on_sigterm(tmp_path, tfds
   job_id = next(j for j in range(1000, 5096)
                 if portpicker.is_port_free(j % 4096 + 65535 - 4096 + 1))
   cmd = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
-         "--workdir", str(tmp_path), f"--config.data_dir={DATA / 'fra-eng'}",
-         f"--config.tfds_dir={tfds_dir}", "--config.num_steps=100000",
-         "--config.mesh_shape=(2,1,1)", "--config.num_bleu_sentences=0",
-         "--config.log_every=1", "--config.num_workers=0", "--config.eval_every=100000",
-         "--config.checkpoint_every=100000"]
+         "--workdir", str(tmp_path), f"--config.data.data_dir={DATA / 'fra-eng'}",
+         f"--config.data.tfds_dir={tfds_dir}", "--config.run.num_steps=100000",
+         "--config.run.mesh_shape=(2,1,1)", "--config.eval.bleu_sentences=0",
+         "--config.run.log_every=1", "--config.data.num_workers=0", "--config.eval.every=100000",
+         "--config.run.checkpoint_every=100000"]
   procs = []
   for rank in range(2):
     env = dict(os.environ, JAX_PLATFORMS="cpu",

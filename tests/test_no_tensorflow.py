@@ -53,9 +53,10 @@ def test_train_and_translate_run_without_tensorflow(tmp_path):
   workdir = tmp_path / "run"
   train = subprocess.run(
       python + ["train.py", "--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
-                f"--config.data_dir={DATA / 'fra-eng'}", f"--config.tfds_dir={tmp_path / 'tfds'}",
-                "--config.num_steps=3", "--config.log_every=1", "--config.num_workers=1",
-                "--config.num_bleu_sentences=8"],
+                f"--config.data.data_dir={DATA / 'fra-eng'}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}", "--config.run.num_steps=3",
+                "--config.run.log_every=1", "--config.data.num_workers=1",
+                "--config.eval.bleu_sentences=8"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-4000:]
   # Prepared without TensorFlow too (under tfds/local-DIGEST: a local corpus).

@@ -30,16 +30,16 @@ NUM_STEPS = 30
 
 def _command(workdir, tfds_dir, cache_dir, *extra):
   return [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
-          "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
-          f"--config.tfds_dir={tfds_dir}", f"--config.compilation_cache_dir={cache_dir}",
-          f"--config.num_steps={NUM_STEPS}", "--config.log_every=1",
-          "--config.checkpoint_every=4", "--config.keep_checkpoints=2",
-          "--config.eval_every=1000", "--config.num_bleu_sentences=0", *extra]
+          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
+          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
+          f"--config.run.num_steps={NUM_STEPS}", "--config.run.log_every=1",
+          "--config.run.checkpoint_every=4", "--config.run.keep_checkpoints=2",
+          "--config.eval.every=1000", "--config.eval.bleu_sentences=0", *extra]
 
 
 def _start(workdir, tfds_dir, cache_dir, *extra, workers=0):
   """train.py in its own process group (as a scheduler runs it), stdout and stderr merged."""
-  extra = (*extra, f"--config.num_workers={workers}")
+  extra = (*extra, f"--config.data.num_workers={workers}")
   return subprocess.Popen(_command(workdir, tfds_dir, cache_dir, *extra), cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
@@ -163,8 +163,9 @@ def _finite_checkpoints(workdir) -> list[int]:
 
 
 def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_path, smoke_config):
-  smoke_config.update(nan_at_step=13, checkpoint_every=5, keep_checkpoints=2, eval_every=1000,
-                      num_bleu_sentences=0, num_steps=20, num_workers="0")
+  smoke_config.update(dict(step=dict(nan_at_step=13), eval=dict(every=1000, bleu_sentences=0),
+                           run=dict(checkpoint_every=5, keep_checkpoints=2, num_steps=20),
+                           data=dict(num_workers="0")))
   stop = smoke_config.copy_and_resolve_references()
   with pytest.raises(train_lib.NonFiniteError, match="non-finite loss or gradients at step 13"):
     trainer.train_and_evaluate(stop, str(tmp_path / "stop"))
@@ -172,7 +173,7 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
   assert _finite_checkpoints(tmp_path / "stop") == [5, 10]
 
   skip = smoke_config.copy_and_resolve_references()
-  skip.nonfinite = "skip"
+  skip.run.nonfinite = "skip"
   state = trainer.train_and_evaluate(skip, str(tmp_path / "skip"))
   assert int(state.step) == 20
   assert _finite_checkpoints(tmp_path / "skip") == [15, 20]
@@ -182,8 +183,9 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
 
   # Too many in a row: every step from 1 is NaN with a learning rate that overflows.
   burst = smoke_config.copy_and_resolve_references()
-  burst.update(nonfinite="skip", max_nonfinite_in_row=3, nan_at_step=0, learning_rate=1e38,
-               warmup_steps=0, grad_clip=0.0)
+  burst.update(dict(run=dict(nonfinite="skip", max_nonfinite_in_row=3),
+                    step=dict(nan_at_step=0),
+                    optimizer=dict(learning_rate=1e38, warmup_steps=0, grad_clip=0.0)))
   with pytest.raises(train_lib.NonFiniteError, match="3 non-finite steps in a row"):
     trainer.train_and_evaluate(burst, str(tmp_path / "burst"))
 
@@ -280,9 +282,9 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
 def test_num_steps_below_the_latest_checkpoint_is_an_error(trained):
   config, source = trained
   config = config.copy_and_resolve_references()
-  config.num_steps = 15
+  config.run.num_steps = 15
   before = (source / "metrics.jsonl").read_text()
-  with pytest.raises(WorkdirError, match=r"num_steps=15 is below the latest "
+  with pytest.raises(WorkdirError, match=r"run.num_steps=15 is below the latest "
                      r"checkpoint's step \(20\)"):
     trainer.train_and_evaluate(config, str(source))
   assert (source / "metrics.jsonl").read_text() == before

@@ -7,11 +7,11 @@ import optax
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax import sections, train_lib, trainer
+from transformer_jax import config as config_lib, sections, train_lib, trainer
 
 
 def _run(config, workdir, num_steps):
-  config.num_steps = num_steps
+  config.run.num_steps = num_steps
   return trainer.train_and_evaluate(config, str(workdir))
 
 
@@ -19,15 +19,15 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
                                                                    monkeypatch):
   # The train step must be traced once per run, however many steps it takes.
   monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(train_lib.train_step, n=1))
-  smoke_config.checkpoint_every = 7
+  smoke_config.run.checkpoint_every = 7
   # The first run stops at 7 by asking for 7 steps: a schedule that does not span num_steps
   # (the recipe's cosine is resumed exactly by the kill and preemption tests, same num_steps).
-  smoke_config.schedule = "rsqrt"
-  smoke_config.peak_flops = 5e10  # A made-up device peak: train/mfu is logged against it.
+  smoke_config.optimizer.schedule = "rsqrt"
+  smoke_config.run.peak_flops = 5e10  # A made-up device peak: train/mfu is logged against it.
 
   def with_workers(n):  # Batches do not depend on the number of grain workers.
     config = smoke_config.copy_and_resolve_references()
-    config.num_workers = str(n)
+    config.data.num_workers = str(n)
     return config
 
   straight = _run(with_workers(2), tmp_path / "straight", 20)
@@ -53,8 +53,8 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
   # Model FLOPs: a step's (their rate over steps/s) lies between the vocabulary projection of
   # its real target tokens alone and a batch full to capacity; mfu is the rate over the peak.
   from transformer_jax import flops
-  cfg = sections.model_config(smoke_config, 500, 500)
-  rows, length = smoke_config.batch_size, smoke_config.max_len
+  cfg = sections.model_config(config_lib.parse(smoke_config).model, 500, 500)
+  rows, length = smoke_config.data.batch_size, smoke_config.data.max_len
   full = flops.model_flops(cfg, np.full(rows, length), np.full(rows, length))
   for r in (r for r in records if "train/loss" in r):
     per_step = r["train/model_flops_per_sec"] / r["steps_per_sec"]
@@ -124,8 +124,8 @@ def test_cross_entropy_gradient_equals_autodiff_of_the_one_hot_formula(label_smo
 def test_rsqrt_schedule_warms_up_then_decays():
   from configs import fra_eng
   c = fra_eng.get_config()
-  c.schedule, c.learning_rate, c.warmup_steps = "rsqrt", 1e-3, 100
-  lr = train_lib.learning_rate_schedule(sections.optimizer_config(c))
+  c.optimizer.update(schedule="rsqrt", learning_rate=1e-3, warmup_steps=100)
+  lr = train_lib.learning_rate_schedule(config_lib.parse(c).optimizer, c.run.num_steps)
   assert float(lr(0)) == 0.0
   np.testing.assert_allclose(float(lr(50)), 5e-4, rtol=1e-6)
   np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)

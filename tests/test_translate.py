@@ -4,7 +4,6 @@ import shutil
 import subprocess
 import sys
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -12,7 +11,7 @@ from tests.conftest import DATA, ROOT
 from transformer_jax import metrics, trainer
 from transformer_jax.generation import DecodeOptions
 from transformer_jax.translator import Translator
-from transformer_jax.workdir import WorkdirError
+from transformer_jax.workdir import Workdir, WorkdirError
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +19,7 @@ def d2l_workdir(tmp_path_factory, tfds_dir):
   """configs/d2l_tiny.py trained in full (120 steps, about a minute on 2 cores)."""
   from configs import d2l_tiny
   config = d2l_tiny.get_config()
-  config.data_dir = str(DATA / "fra-eng")
-  config.tfds_dir = tfds_dir
+  config.data.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir)
   workdir = tmp_path_factory.mktemp("d2l")
   trainer.train_and_evaluate(config, str(workdir))
   return workdir
@@ -232,12 +230,14 @@ def test_translate_decodes_with_the_workdirs_own_settings_unless_a_flag_override
   from configs import fra_eng
   from transformer_jax import config as config_lib
   recipe = fra_eng.get_config()
-  assert config_lib.decode_defaults(recipe) == dict(beam_size=4, alpha=1.0, segment_over=16,
-                                                     long_beam_size=0, long_over=16)
-  older = json.loads((d2l_workdir / "config.json").read_text())
-  older.pop("decode")
-  assert config_lib.decode_defaults(ml_collections.ConfigDict(older)) == (
-      config_lib.base_config().decode.to_dict())
+  assert config_lib.parse(recipe).decode == config_lib.DecodeConfig(
+      beam_size=4, alpha=1.0, segment_over=16, long_beam_size=0, long_over=16)
+  older = tmp_path / "older"
+  older.mkdir()
+  saved = json.loads((d2l_workdir / "config.json").read_text())
+  saved.pop("decode")
+  (older / "config.json").write_text(json.dumps(saved))
+  assert Workdir(older).load_config().decode == config_lib.DecodeConfig()
 
   greedy = tmp_path / "greedy"
   shutil.copytree(d2l_workdir, greedy)

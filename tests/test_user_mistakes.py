@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from transformer_jax import sections, trainer
+from transformer_jax import config as config_lib, trainer
 from tests.conftest import DATA, ROOT
 from transformer_jax.data import pipeline
 from transformer_jax.data.packing import NoPairsError
@@ -44,10 +44,11 @@ def _tree_digest(directory: Path) -> dict[str, str]:
 def _train_args(config, workdir):
   """train.py's command line for the `trained` fixture's run."""
   return ["train.py", "--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
-          f"--config.data_dir={config.data_dir}", f"--config.tfds_dir={config.tfds_dir}",
-          f"--config.compilation_cache_dir={config.compilation_cache_dir}",
-          "--config.num_bleu_sentences=0", "--config.num_workers=0",
-          f"--config.ema_decay={config.ema_decay}"]
+          f"--config.data.data_dir={config.data.data_dir}",
+          f"--config.data.tfds_dir={config.data.tfds_dir}",
+          f"--config.run.compilation_cache_dir={config.run.compilation_cache_dir}",
+          "--config.eval.bleu_sentences=0", "--config.data.num_workers=0",
+          f"--config.step.ema_decay={config.step.ema_decay}"]
 
 
 def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp_path):
@@ -56,8 +57,8 @@ def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp
   shutil.copytree(source, workdir)
   # The tokenizer a run with another vocabulary size fits on the same data.
   other = config.copy_and_resolve_references()
-  other.vocab_size = 1000
-  pipeline.prepare(sections.data_config(other), tmp_path / "other")
+  other.data.vocab_size = 1000
+  pipeline.prepare(config_lib.parse(other).data, tmp_path / "other")
   shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
   before = _tree_digest(workdir / "checkpoints")
 
@@ -123,13 +124,14 @@ def test_a_corpus_that_leaves_nothing_to_train_on_is_one_line(tmp_path, cache_di
   _long_pairs_tsv(data / "validation.tsv", 20, words=3)
   workdir = tmp_path / "w"
   result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
-                "--config.dataset=parallel_tsv", f"--config.data_dir={data}",
-                f"--config.tfds_dir={tmp_path / 'tfds'}", "--config.num_workers=0",
-                "--config.train_split=train", "--config.eval_split=validation",
-                f"--config.compilation_cache_dir={cache_dir}")
+                "--config.data.dataset=parallel_tsv", f"--config.data.data_dir={data}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}", "--config.data.num_workers=0",
+                "--config.data.train_split=train", "--config.data.eval_split=validation",
+                f"--config.run.compilation_cache_dir={cache_dir}")
   assert _one_error_line(result) == (
-      "error: the training split leaves no pair to use: all 300 are empty or over max_len=32 "
-      "tokens a side (with <eos>); raise max_len, set overlong='truncate' or check the data")
+      "error: the training split leaves no pair to use: all 300 are empty or over "
+      "data.max_len=32 tokens a side (with <eos>); raise data.max_len, set "
+      "data.overlong='truncate' or check the data")
   assert not (workdir / "checkpoints").exists()
 
 
@@ -138,9 +140,10 @@ def test_an_evaluation_split_that_keeps_no_pair_fails_before_training(smoke_conf
   data.mkdir()
   _long_pairs_tsv(data / "train.tsv", 300, words=3)
   _long_pairs_tsv(data / "validation.tsv", 20, words=80)
-  smoke_config.update(dataset="parallel_tsv", data_dir=str(data), tfds_dir=str(tmp_path / "t"),
-                      train_split="train", eval_split="validation", num_workers="0",
-                      num_bleu_sentences=0)
+  smoke_config.data.update(dataset="parallel_tsv", data_dir=str(data),
+                           tfds_dir=str(tmp_path / "t"), train_split="train",
+                           eval_split="validation", num_workers="0")
+  smoke_config.eval.bleu_sentences = 0
   with pytest.raises(NoPairsError, match=r"^the evaluation split leaves no pair to use: all 20"):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
   assert not (tmp_path / "w" / "checkpoints").exists()
@@ -151,9 +154,9 @@ def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on
                                                                                cache_dir):
   workdir, tfds = tmp_path / "w", tmp_path / "tfds"
   command = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
-             "--workdir", str(workdir), f"--config.data_dir={DATA / 'fra-eng'}",
-             f"--config.tfds_dir={tfds}", f"--config.compilation_cache_dir={cache_dir}",
-             "--config.num_workers=0", "--config.num_bleu_sentences=0"]
+             "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
+             f"--config.data.tfds_dir={tfds}", f"--config.run.compilation_cache_dir={cache_dir}",
+             "--config.data.num_workers=0", "--config.eval.bleu_sentences=0"]
   # As from a terminal: SIGINT at its default, whatever this test process (a pytest-xdist
   # worker may run with SIGINT ignored, which a child would inherit) does with it.
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -184,16 +187,16 @@ def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on
 def test_a_workdir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
   # /sys takes no new file, not even from root (the tests may run as root, who passes chmod).
   result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
-                "/sys/transformer_jax_run", f"--config.data_dir={DATA / 'fra-eng'}",
-                f"--config.tfds_dir={tmp_path / 'tfds'}")
+                "/sys/transformer_jax_run", f"--config.data.data_dir={DATA / 'fra-eng'}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}")
   assert _one_error_line(result) == (
       "error: --workdir /sys/transformer_jax_run cannot be written: Permission denied (in /sys)")
   assert not (tmp_path / "tfds").exists()  # Refused before the dataset is prepared.
   file = tmp_path / "file"
   file.write_text("x")
   result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
-                str(file / "run"), f"--config.data_dir={DATA / 'fra-eng'}",
-                f"--config.tfds_dir={tmp_path / 'tfds'}")
+                str(file / "run"), f"--config.data.data_dir={DATA / 'fra-eng'}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}")
   assert _one_error_line(result) == (
       f"error: --workdir {file / 'run'} cannot be created: {file} is a file")
 
@@ -229,14 +232,14 @@ def test_another_corpus_in_the_same_tfds_dir_is_prepared_anew(tmp_path):
 def test_the_shared_tokenizer_is_keyed_by_the_split_it_is_fitted_on(smoke_config, tmp_path):
   data = _tsv_dir(tmp_path / "data", [f"sentence number {i} here\tphrase numéro {i} ici"
                                       for i in range(400)])
-  smoke_config.update(dataset="parallel_tsv", data_dir=str(data), tfds_dir=str(tmp_path / "t"),
-                      vocab_size=100, num_workers="0")
+  smoke_config.data.update(dataset="parallel_tsv", data_dir=str(data),
+                           tfds_dir=str(tmp_path / "t"), vocab_size=100, num_workers="0")
   for split in ("train[:40]", "train"):
-    smoke_config.train_split = split
-    cfg = sections.data_config(smoke_config)
+    smoke_config.data.train_split = split
+    cfg = config_lib.parse(smoke_config).data
     pipeline.prepare(cfg, tmp_path / split)
   # One tokenizer each, not the first one reused for the full split.
-  assert len(list(cfg.cache_root.glob("tokenizer-*"))) == 2
+  assert len(list(pipeline.cache_root(cfg).glob("tokenizer-*"))) == 2
   assert (tmp_path / "train[:40]" / "tokenizer.model").read_bytes() != (
       tmp_path / "train" / "tokenizer.model").read_bytes()
 
@@ -260,8 +263,9 @@ def test_an_unknown_config_variant_or_file_is_one_line(tmp_path, config, message
 def test_a_parallel_tsv_line_with_a_third_column_is_named(smoke_config, tmp_path):
   from transformer_jax.data.builders import DatasetError
   data = _tsv_dir(tmp_path / "data", ["one\tun", "two\tdeux\textra", "three\ttrois"])
-  smoke_config.update(dataset="parallel_tsv", data_dir=str(data), tfds_dir=str(tmp_path / "t"),
-                      train_split="train", eval_split="validation")
+  smoke_config.data.update(dataset="parallel_tsv", data_dir=str(data),
+                           tfds_dir=str(tmp_path / "t"), train_split="train",
+                           eval_split="validation")
   with pytest.raises(DatasetError, match=r"train.tsv line 2 has 3 tab-separated fields; each "
                      r"line is 'source<TAB>target'"):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))

@@ -3,7 +3,7 @@ that has neither, and reports what they need of each chip.
 
   python -m transformer_jax aot --config configs/wmt14_base.py --topology v5e:2x4
   python -m transformer_jax aot --config configs/wmt14_big.py --topology h100:8 \\
-      --config.mesh_shape="(2,4,1)" --json OUT/big_h100.json
+      --config.run.mesh_shape="(2,4,1)" --json OUT/big_h100.json
 
 The programs are the ones train.py runs, built by the same library calls: the train state's
 shapes and shardings (`train_lib.abstract_train_state`), the jitted train and eval steps with
@@ -242,55 +242,55 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
                                train_lib)
   from transformer_jax.model import Transformer
 
-  sections.validated(config)
+  cfg = sections.validated(config)
+  data = cfg.data
   devices = target.devices()
   try:
-    mesh = sections.checked_mesh(config, devices)
+    mesh = sections.checked_mesh(cfg, devices)
   except config_lib.ConfigError as e:
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
-  vocab = int(config.vocab_size)
-  model_cfg = sections.model_config(config, vocab, vocab, platform=target.platform)
+  vocab = data.vocab_size
+  model_cfg = sections.model_config(cfg.model, vocab, vocab, platform=target.platform)
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu":
     raise AotError(
-        f"cuDNN's fused attention (model.attention_impl={config.model.attention_impl!r}: "
+        f"cuDNN's fused attention (model.attention_impl={cfg.model.attention_impl!r}: "
         f"{model_cfg.dtype} on a GPU) cannot be compiled without a GPU: jax reads the device's "
         "compute capability while tracing it. Compile XLA's attention instead "
         "(--config.model.attention_impl=xla), which keeps the attention scores in memory")
   model = Transformer(model_cfg)
-  tx = train_lib.make_optimizer(sections.optimizer_config(config))
+  tx = train_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = train_lib.abstract_train_state(
-      model, tx, mesh, config.max_len, ema=config.ema_decay > 0)
-  step_cfg = sections.step_config(config)
-  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, step_cfg)
+      model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
+  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, cfg.step)
   n = len(devices)
   report = {
       "target": target.name, "platform": target.platform, "chip": target.chip,
       "num_devices": n, "num_slices": target.num_slices,
       "hbm_bytes_per_device": target.hbm_bytes,
       "mesh": dict(zip(sharding.MESH_AXES, (int(s) for s in mesh.devices.shape))),
-      "batch_size": int(config.batch_size), "max_len": int(config.max_len),
-      "grad_accum_steps": int(config.grad_accum_steps), "loss_chunks": int(config.loss_chunks),
+      "batch_size": data.batch_size, "max_len": data.max_len,
+      "grad_accum_steps": cfg.step.grad_accum_steps, "loss_chunks": cfg.step.loss_chunks,
       "vocab_size": vocab, "dtype": model_cfg.dtype, "attention_impl": model_cfg.attention_impl,
       "scan_layers": model_cfg.scan_layers, "remat": model_cfg.remat,
       "params_bytes_per_device": _per_device_bytes(state.params),
       "opt_state_bytes_per_device": _per_device_bytes(state.opt_state),
       "jax": jax.__version__, "programs": {},
   }
-  full = lambda rows: np.full(rows, config.max_len)  # Every row one sentence of max_len.
+  full = lambda rows: np.full(rows, data.max_len)  # Every row one sentence of max_len.
 
   def lowered(name):
     with sharding.mesh_context(mesh):
       if name == "train":
-        return p_train.lower(state, _abstract_batch(config.batch_size, config.max_len, mesh))
+        return p_train.lower(state, _abstract_batch(data.batch_size, data.max_len, mesh))
       if name == "eval":
-        return p_eval.lower(state, _abstract_batch(config.eval_batch_size, config.max_len, mesh))
-      return _decoder(model, state_shardings.params, mesh, config.max_len, beam_size).lower(
-          state.params, _abstract_batch(config.eval_batch_size, config.max_len, mesh)["inputs"])
+        return p_eval.lower(state, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh))
+      return _decoder(model, state_shardings.params, mesh, data.max_len, beam_size).lower(
+          state.params, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh)["inputs"])
 
-  analytic = {"train": flops_lib.model_flops(model_cfg, full(config.batch_size),
-                                             full(config.batch_size)),
-              "eval": flops_lib.model_flops(model_cfg, full(config.eval_batch_size),
-                                            full(config.eval_batch_size)) / 3.0,
+  analytic = {"train": flops_lib.model_flops(model_cfg, full(data.batch_size),
+                                             full(data.batch_size)),
+              "eval": flops_lib.model_flops(model_cfg, full(cfg.eval.batch_size),
+                                            full(cfg.eval.batch_size)) / 3.0,
               "decode": None}  # Beam search's count depends on when beams finish.
   for name in programs:
     progress(f"compiling {name} for {target.name} ...")

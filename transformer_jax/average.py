@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 from absl import logging
 
-from transformer_jax import checkpoint, errors, fs, sections, sharding, train_lib
+from transformer_jax import checkpoint, errors, fs, sharding, train_lib
 from transformer_jax.errors import UserError
 from transformer_jax.workdir import Opened, Workdir
 
@@ -35,8 +35,9 @@ def state_of(run: Opened):
   devices: what to restore them into."""
   config = run.config
   return train_lib.create_train_state(
-      run.model, train_lib.make_optimizer(sections.optimizer_config(config)), config.seed,
-      sharding.make_mesh((-1, 1, 1)), config.max_len, ema=config.get("ema_decay", 0) > 0)
+      run.model, train_lib.make_optimizer(config.optimizer, config.run.num_steps),
+      config.run.seed, sharding.make_mesh((-1, 1, 1)), config.data.max_len,
+      ema=config.step.ema_decay > 0)
 
 
 def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> list[int]:

@@ -1,8 +1,28 @@
-"""Checks a ConfigDict once at start-up and turns it into the frozen model config."""
+"""The config's schema: one frozen dataclass per section, its defaults written once, its checks.
+
+A config is a nested ml_collections.ConfigDict (what configs/*.py build and `--config.SECTION.
+FIELD=VALUE` overrides): one section per dataclass below, each used as is by the subsystem it
+configures:
+
+  data       DataConfig       the corpus, tokenizer and input pipeline (transformer_jax.data)
+  model      ModelConfig      the Transformer's shape (model.TransformerConfig adds vocabularies)
+  optimizer  OptimizerConfig  optax's schedule, Adam and clipping (train_lib)
+  step       StepConfig       what one train or eval step computes (train_lib)
+  eval       EvalConfig       how often and on how much the run is evaluated (trainer)
+  run        RunConfig        length, logging, checkpoints, devices (trainer)
+  decode     DecodeConfig     how `translate` decodes the run's workdir by default
+
+`base_config()` is the dataclasses' defaults as a ConfigDict; `parse` turns a ConfigDict (or a
+workdir's config.json, older flat ones included) into a `Config` of sections, each checking its
+own fields as it is made. This module imports no subsystem.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import ml_collections
 
@@ -20,157 +40,337 @@ def check(ok: bool, message: str) -> None:
     raise ConfigError(message)
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError naming the first bad field; compiles and reads nothing."""
-  if config.data_dir:
-    check(Path(config.data_dir).is_dir(), f"data_dir={config.data_dir!r} is not a directory")
-  if config.compiled_train_step:
-    check(Path(config.compiled_train_step).is_file(),
-           f"compiled_train_step={config.compiled_train_step!r} is not a file")
-  check(config.tokenizer in ("sentencepiece", "word"),
-         f"tokenizer={config.tokenizer!r} must be 'sentencepiece' or 'word'")
-  check(config.overlong in ("drop", "truncate"),
-         f"overlong={config.overlong!r} must be 'drop' or 'truncate'")
-  check(config.max_len >= 2, f"max_len={config.max_len} must be at least 2")
-  check(config.num_workers == "auto" or (str(config.num_workers).isdigit()),
-         f"num_workers={config.num_workers!r} must be 'auto' or a count >= 0")
-  for field in ("batch_size", "tokenizer_sample", "eval_batch_size", "num_steps", "log_every",
-                "eval_every", "checkpoint_every", "keep_checkpoints"):
-    check(config[field] > 0, f"{field}={config[field]} must be positive")
-  check(config.schedule in SCHEDULES, f"schedule={config.schedule!r} must be one of {SCHEDULES}")
-  check(config.peak_flops >= 0, f"peak_flops={config.peak_flops} must be >= 0 (0: known "
-        "devices' own)")
-  check(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be positive")
-  check(config.warmup_steps >= 0, f"warmup_steps={config.warmup_steps} must be >= 0 (0: none)")
-  check(config.grad_clip >= 0,
-         f"grad_clip={config.grad_clip} must be >= 0 (a gradient-norm bound; 0: no clipping)")
-  check(config.weight_decay >= 0, f"weight_decay={config.weight_decay} must be >= 0")
-  check(0 <= config.adam_b1 < 1 and 0 <= config.adam_b2 < 1 and config.adam_eps >= 0,
-         f"adam_b1={config.adam_b1}, adam_b2={config.adam_b2} must be in [0, 1) and "
-         f"adam_eps={config.adam_eps} >= 0")
-  check(config.nonfinite in ("stop", "skip"),
-         f"nonfinite={config.nonfinite!r} must be 'stop' or 'skip'")
-  check(config.max_nonfinite_in_row > 0,
-         f"max_nonfinite_in_row={config.max_nonfinite_in_row} must be positive")
-  check(config.nan_at_step >= 0, f"nan_at_step={config.nan_at_step} must be >= 0 (0: never)")
-  check(config.grad_accum_steps > 0 and config.batch_size % config.grad_accum_steps == 0,
-         f"grad_accum_steps={config.grad_accum_steps} must be positive and divide "
-         f"batch_size={config.batch_size} (the rows of one optimizer step)")
-  check(config.loss_chunks > 0 and config.max_len % config.loss_chunks == 0,
-         f"loss_chunks={config.loss_chunks} must be positive and divide max_len={config.max_len}")
-  check(0 <= config.concat_prob < 1,
-         f"concat_prob={config.concat_prob} must be in [0, 1) (0: no concatenation)")
-  check(config.concat_max >= 1, f"concat_max={config.concat_max} must be at least 1 (pairs)")
-  check(0 <= config.ema_decay < 1,
-         f"ema_decay={config.ema_decay} must be in [0, 1) (0: no moving average)")
-  check(0 <= config.label_smoothing < 1,
-         f"label_smoothing={config.label_smoothing} must be in [0, 1)")
-  check(len(config.mesh_shape) == 3,
-         f"mesh_shape={tuple(config.mesh_shape)} must have 3 entries (data, fsdp, tensor)")
-  d = config.decode
-  check(d.beam_size >= 1, f"decode.beam_size={d.beam_size} must be at least 1 (1: greedy)")
-  check(d.alpha >= 0, f"decode.alpha={d.alpha} must be >= 0 (0: no length penalty)")
-  check(d.segment_over >= -1, f"decode.segment_over={d.segment_over} must be -1 (split none), "
-         "0 (all) or positive")
-  check(d.long_beam_size >= 0 and d.long_over >= 0,
-         f"decode.long_beam_size={d.long_beam_size} and decode.long_over={d.long_over} must be "
-         ">= 0")
-  m = config.model
-  for field in ("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers"):
-    check(isinstance(m[field], int) and m[field] > 0,
-           f"model.{field}={m[field]!r} must be a positive integer")
-  check(m.d_model % m.num_heads == 0,
-         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
-  check(m.d_model % 2 == 0, f"model.d_model={m.d_model} must be even (sinusoidal positions)")
-  check(0 <= m.dropout_rate < 1, f"model.dropout_rate={m.dropout_rate} must be in [0, 1)")
-  check(m.dtype in ("float32", "bfloat16"), f"model.dtype={m.dtype!r} must be float32 or bfloat16")
-  check(m.attention_impl in ("auto", "xla", "cudnn"),
-         f"model.attention_impl={m.attention_impl!r} must be auto, xla or cudnn")
-  check(not m.share_embeddings or config.tokenizer == "sentencepiece",
-         "model.share_embeddings needs the joint sentencepiece tokenizer")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Section:
+  """A config section: made from its fields, it checks them (ConfigError naming the first bad
+  one as `SECTION.FIELD=VALUE`)."""
+  NAME = ""
+
+  def __post_init__(self):
+    self.check()
+
+  def check(self) -> None:
+    pass
+
+  def _positive(self, *fields: str) -> None:
+    for f in fields:
+      value = getattr(self, f)
+      check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            f"{self.NAME}.{f}={value!r} must be a positive integer")
 
 
-def base_config() -> ml_collections.ConfigDict:
-  """Every field a config can set, with defaults; experiments in configs/ override them."""
-  c = ml_collections.ConfigDict()
-  c.dataset = "fra_eng"
-  c.data_dir = ""  # Local directory with the raw corpus files; empty: download them.
-  c.tfds_dir = ""  # Where tfds prepares datasets; empty: ~/tensorflow_datasets.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig(_Section):
+  """The corpus, its tokenizer and the training batches."""
+  NAME = "data"
+  dataset: str = "fra_eng"
+  data_dir: str = ""  # Local directory with the raw corpus files; empty: download them.
+  tfds_dir: str = ""  # Where tfds prepares datasets; empty: ~/tensorflow_datasets.
   # Fitted tokenizers and token-id caches of each split; empty: TFDS_DIR/transformer_jax_cache.
-  c.cache_dir = ""
-  c.num_workers = "auto"  # grain worker processes building batches: "auto" or a count (0: none).
-  c.train_split = "train"
-  c.eval_split = "validation"
-  c.tokenizer = "sentencepiece"  # Or "word": d2l's word-level vocabularies.
-  c.vocab_size = 8000  # SentencePiece only.
-  c.tokenizer_sample = 200_000  # Training pairs (spread over the split) the tokenizer is fit on.
-  c.max_len = 64  # Tokens per side, <eos> included; also the packed row length.
-  c.overlong = "drop"  # Pairs over max_len: "drop" or "truncate" (both counted and logged).
-  c.packing = True
+  cache_dir: str = ""
+  num_workers: str | int = "auto"  # grain processes building batches: "auto" or a count (0: none).
+  train_split: str = "train"
+  eval_split: str = "validation"
+  tokenizer: str = "sentencepiece"  # Or "word": d2l's word-level vocabularies.
+  vocab_size: int = 8000  # SentencePiece only.
+  tokenizer_sample: int = 200_000  # Training pairs (spread over the split) the tokenizer is fit on.
+  max_len: int = 64  # Tokens per side, <eos> included; also the packed row length.
+  overlong: str = "drop"  # Pairs over max_len: "drop" or "truncate" (both counted and logged).
+  packing: bool = True
   # Concatenation augmentation: each training pair joins the one before it into one longer
   # example (sources joined, targets joined) with probability concat_prob, up to concat_max
   # pairs and max_len tokens a side. Teaches sentences longer than most of the corpus's.
-  c.concat_prob = 0.0
-  c.concat_max = 2
-  c.batch_size = 64  # Rows per global batch (each up to max_len tokens a side).
-  c.eval_batch_size = 128
-  c.num_eval_batches = -1  # -1: the whole eval split.
-  c.num_bleu_sentences = 256  # Greedy-decoded and scored at every evaluation (0: none).
-  c.seed = 0
+  concat_prob: float = 0.0
+  concat_max: int = 2
+  batch_size: int = 64  # Rows per global batch (each up to max_len tokens a side).
 
-  c.model = ml_collections.ConfigDict(dict(
-      d_model=512, num_heads=8, ffn_dim=2048, num_encoder_layers=6, num_decoder_layers=6,
-      dropout_rate=0.1, pre_ln=False, attention_bias=True, share_embeddings=True,
-      tie_output=True, dtype="float32",
-      attention_impl="auto",  # auto: cuDNN fused attention on NVIDIA GPUs in bf16, else XLA.
-      scan_layers=False, remat="none"))
+  def check(self):
+    if self.data_dir:
+      check(Path(self.data_dir).is_dir(), f"data.data_dir={self.data_dir!r} is not a directory")
+    check(self.tokenizer in ("sentencepiece", "word"),
+          f"data.tokenizer={self.tokenizer!r} must be 'sentencepiece' or 'word'")
+    check(self.overlong in ("drop", "truncate"),
+          f"data.overlong={self.overlong!r} must be 'drop' or 'truncate'")
+    check(self.max_len >= 2, f"data.max_len={self.max_len} must be at least 2")
+    check(self.num_workers == "auto" or str(self.num_workers).isdigit(),
+          f"data.num_workers={self.num_workers!r} must be 'auto' or a count >= 0")
+    self._positive("batch_size", "tokenizer_sample", "vocab_size")
+    check(0 <= self.concat_prob < 1,
+          f"data.concat_prob={self.concat_prob} must be in [0, 1) (0: no concatenation)")
+    check(self.concat_max >= 1, f"data.concat_max={self.concat_max} must be at least 1 (pairs)")
 
-  c.num_steps = 10_000
-  c.schedule = "rsqrt"
-  c.learning_rate = 7e-4  # Peak; the paper's d_model**-0.5 * warmup**-0.5 at base size.
-  c.warmup_steps = 4000  # Linear warmup from 0; 0: none (rsqrt then decays from step 1).
-  c.adam_b1, c.adam_b2, c.adam_eps = 0.9, 0.98, 1e-9
-  c.weight_decay = 0.0
-  c.grad_clip = 1.0  # Global gradient-norm bound; 0: no clipping.
-  c.label_smoothing = 0.1
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(_Section):
+  """The Transformer's shape and numerics (the vocabularies come from the tokenizers)."""
+  NAME = "model"
+  d_model: int = 512
+  num_heads: int = 8
+  ffn_dim: int = 2048
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout_rate: float = 0.1
+  pre_ln: bool = False  # False: the paper's post-LN blocks.
+  attention_bias: bool = True
+  share_embeddings: bool = True  # One table for source and target (joint vocabulary).
+  tie_output: bool = True  # Output projection is the target embedding, transposed.
+  dtype: str = "float32"  # Compute dtype ("float32" or "bfloat16"); parameters stay float32.
+  # "auto": cuDNN's fused attention on NVIDIA GPUs in bfloat16, else XLA's; "xla"; "cudnn".
+  attention_impl: str | None = "auto"
+  scan_layers: bool = False  # nn.scan over layers: compile time independent of depth.
+  remat: str = "none"  # Recompute activations in the backward pass: "none", "full", "dots".
+
+  def check(self):
+    self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers")
+    check(self.d_model % self.num_heads == 0,
+          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
+    check(self.d_model % 2 == 0, f"model.d_model={self.d_model} must be even (sinusoidal "
+          "positions)")
+    check(0 <= self.dropout_rate < 1, f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+    check(self.dtype in ("float32", "bfloat16"),
+          f"model.dtype={self.dtype!r} must be float32 or bfloat16")
+    check(self.attention_impl in ("auto", "xla", "cudnn"),
+          f"model.attention_impl={self.attention_impl!r} must be auto, xla or cudnn")
+    check(self.remat in ("none", "full", "dots"),
+          f"model.remat={self.remat!r} must be none, full or dots")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig(_Section):
+  """Adam(W) with global-norm clipping and a learning-rate schedule over run.num_steps."""
+  NAME = "optimizer"
+  schedule: str = "rsqrt"  # One of SCHEDULES.
+  learning_rate: float = 7e-4  # Peak; the paper's d_model**-0.5 * warmup**-0.5 at base size.
+  warmup_steps: int = 4000  # Linear warmup from 0; 0: none (rsqrt then decays from step 1).
+  adam_b1: float = 0.9
+  adam_b2: float = 0.98
+  adam_eps: float = 1e-9
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0  # Global gradient-norm bound; 0: no clipping.
+
+  def check(self):
+    check(self.schedule in SCHEDULES,
+          f"optimizer.schedule={self.schedule!r} must be one of {SCHEDULES}")
+    check(self.learning_rate > 0,
+          f"optimizer.learning_rate={self.learning_rate} must be positive")
+    check(self.warmup_steps >= 0,
+          f"optimizer.warmup_steps={self.warmup_steps} must be >= 0 (0: none)")
+    check(self.grad_clip >= 0, f"optimizer.grad_clip={self.grad_clip} must be >= 0 (a "
+          "gradient-norm bound; 0: no clipping)")
+    check(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
+    check(0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1 and self.adam_eps >= 0,
+          f"optimizer.adam_b1={self.adam_b1}, optimizer.adam_b2={self.adam_b2} must be in "
+          f"[0, 1) and optimizer.adam_eps={self.adam_eps} >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig(_Section):
+  """What one train step computes beyond the model: loss, accumulation, moving average."""
+  NAME = "step"
+  label_smoothing: float = 0.1
   # Microbatches a step's batch is cut into, their gradients summed before the one update: the
   # same update with the activation memory of batch_size / grad_accum_steps rows.
-  c.grad_accum_steps = 1
+  grad_accum_steps: int = 1
   # Slices of the target length the vocabulary projection and loss run over one at a time
   # (each slice's gradient formed in the forward pass): the [tokens, vocabulary] logits are
   # never whole.
-  c.loss_chunks = 1
+  loss_chunks: int = 1
   # Decay of an exponential moving average of the parameters, kept in the train state and used
   # by evaluation and translate (0: none). The decay is at most (1 + step) / (10 + step).
-  c.ema_decay = 0.0
+  ema_decay: float = 0.0
+  nan_at_step: int = 0  # Tests: make this step's loss NaN (0: never).
+
+  def check(self):
+    check(0 <= self.label_smoothing < 1,
+          f"step.label_smoothing={self.label_smoothing} must be in [0, 1)")
+    self._positive("grad_accum_steps", "loss_chunks")
+    check(0 <= self.ema_decay < 1,
+          f"step.ema_decay={self.ema_decay} must be in [0, 1) (0: no moving average)")
+    check(self.nan_at_step >= 0, f"step.nan_at_step={self.nan_at_step} must be >= 0 (0: never)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig(_Section):
+  """The evaluations on the eval split during training (loss, accuracy, greedy BLEU)."""
+  NAME = "eval"
+  every: int = 500  # Steps between evaluations (and one at the last step).
+  batch_size: int = 128
+  num_batches: int = -1  # -1: the whole eval split.
+  bleu_sentences: int = 256  # Greedy-decoded and scored at every evaluation (0: none).
+
+  def check(self):
+    self._positive("every", "batch_size")
+    check(self.num_batches == -1 or self.num_batches > 0,
+          f"eval.num_batches={self.num_batches} must be positive or -1 (all)")
+    check(self.bleu_sentences >= 0, f"eval.bleu_sentences={self.bleu_sentences} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig(_Section):
+  """How long the run trains, what it logs and keeps, and on which devices."""
+  NAME = "run"
+  num_steps: int = 10_000
+  seed: int = 0
+  log_every: int = 50
+  checkpoint_every: int = 500
+  keep_checkpoints: int = 3
   # A step with a non-finite loss or gradient never changes the parameters. "stop": exit with
   # an error naming it; "skip": go on (counted in the log), until max_nonfinite_in_row in a row.
-  c.nonfinite = "stop"
-  c.max_nonfinite_in_row = 10
-  c.nan_at_step = 0  # Tests: make this step's loss NaN (0: never).
-
-  c.compilation_cache_dir = ""  # JAX's persistent compilation cache; empty: WORKDIR/jax_cache.
-  # A train step compiled ahead of time for this config and target (python -m
-  # transformer_jax.aot --save_train_step FILE), run instead of compiling it; empty: compile.
-  c.compiled_train_step = ""
-  c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices.
-  # How `translate` decodes this run's workdir unless its flags say otherwise: the settings a
-  # recipe was scored with (its config.json keeps them).
-  c.decode = ml_collections.ConfigDict(dict(
-      beam_size=4,  # 1: greedy.
-      alpha=0.6,  # GNMT length penalty exponent (beam search).
-      segment_over=16,  # Sources of more tokens are translated sentence by sentence (-1: none).
-      long_beam_size=0,  # Beam size for sources (or sentences) over long_over tokens; 0: off.
-      long_over=16))
-  c.log_every = 50
+  nonfinite: str = "stop"
+  max_nonfinite_in_row: int = 10
+  mesh_shape: tuple[int, ...] = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices.
   # Peak FLOP/s of one device, for the model-FLOPs utilisation logged as train/mfu; 0: the
   # vendor's bfloat16 peak where the device is known (H100, A100, TPU v4/v5e/v5p/v6e), else
   # only train/model_flops_per_sec is logged.
-  c.peak_flops = 0.0
-  c.eval_every = 500
-  c.checkpoint_every = 500
-  c.keep_checkpoints = 3
-  return c
+  peak_flops: float = 0.0
+  compilation_cache_dir: str = ""  # JAX's persistent compilation cache; empty: WORKDIR/jax_cache.
+  # A train step compiled ahead of time for this config and target (python -m transformer_jax
+  # aot --save_train_step FILE), run instead of compiling it; empty: compile.
+  compiled_train_step: str = ""
+
+  def __post_init__(self):
+    object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))  # A JSON list, say.
+    super().__post_init__()
+
+  def check(self):
+    self._positive("num_steps", "log_every", "checkpoint_every", "keep_checkpoints",
+                   "max_nonfinite_in_row")
+    check(self.nonfinite in ("stop", "skip"),
+          f"run.nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
+    check(len(self.mesh_shape) == 3,
+          f"run.mesh_shape={self.mesh_shape} must have 3 entries (data, fsdp, tensor)")
+    check(self.peak_flops >= 0, f"run.peak_flops={self.peak_flops} must be >= 0 (0: known "
+          "devices' own)")
+    if self.compiled_train_step:
+      check(Path(self.compiled_train_step).is_file(),
+            f"run.compiled_train_step={self.compiled_train_step!r} is not a file")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig(_Section):
+  """How `translate` decodes this run's workdir unless its flags say otherwise: the settings a
+  recipe was scored with (its config.json keeps them)."""
+  NAME = "decode"
+  beam_size: int = 4  # 1: greedy.
+  alpha: float = 0.6  # GNMT length penalty exponent (beam search).
+  segment_over: int = 16  # Sources of more tokens are translated sentence by sentence (-1: none).
+  long_beam_size: int = 0  # Beam size for sources (or sentences) over long_over tokens; 0: off.
+  long_over: int = 16
+
+  def check(self):
+    check(self.beam_size >= 1,
+          f"decode.beam_size={self.beam_size} must be at least 1 (1: greedy)")
+    check(self.alpha >= 0, f"decode.alpha={self.alpha} must be >= 0 (0: no length penalty)")
+    check(self.segment_over >= -1, f"decode.segment_over={self.segment_over} must be -1 "
+          "(split none), 0 (all) or positive")
+    check(self.long_beam_size >= 0 and self.long_over >= 0,
+          f"decode.long_beam_size={self.long_beam_size} and decode.long_over={self.long_over} "
+          "must be >= 0")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    s.NAME: s for s in (DataConfig, ModelConfig, OptimizerConfig, StepConfig, EvalConfig,
+                        RunConfig, DecodeConfig)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """A whole config, one field per section; checks what spans sections."""
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  step: StepConfig = dataclasses.field(default_factory=StepConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  run: RunConfig = dataclasses.field(default_factory=RunConfig)
+  decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
+
+  def __post_init__(self):
+    data, step = self.data, self.step
+    check(data.batch_size % step.grad_accum_steps == 0,
+          f"step.grad_accum_steps={step.grad_accum_steps} must divide data.batch_size="
+          f"{data.batch_size} (the rows of one optimizer step)")
+    check(data.max_len % step.loss_chunks == 0,
+          f"step.loss_chunks={step.loss_chunks} must divide data.max_len={data.max_len}")
+    check(not self.model.share_embeddings or data.tokenizer == "sentencepiece",
+          "model.share_embeddings needs the joint sentencepiece tokenizer (data.tokenizer)")
+
+  def to_dict(self) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(self)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field a config can set, with the sections' defaults; configs/ override them."""
+  return ml_collections.ConfigDict(Config().to_dict())
+
+
+# Fields that had other names when the config was flat (config.json of older workdirs).
+_FLAT_RENAMED = {"eval_every": ("eval", "every"), "eval_batch_size": ("eval", "batch_size"),
+                 "num_eval_batches": ("eval", "num_batches"),
+                 "num_bleu_sentences": ("eval", "bleu_sentences")}
+
+
+def _flat_homes() -> dict[str, tuple[str, str]]:
+  """Each field name of the flat config -> (section, field) it is now."""
+  home = dict(_FLAT_RENAMED)
+  for name, section in SECTIONS.items():
+    for f in dataclasses.fields(section):
+      home.setdefault(f.name, (name, f.name))  # batch_size: data's (eval's was eval_batch_size).
+  return home
+
+
+def moved(flat_name: str) -> str | None:
+  """`SECTION.FIELD` of a field the flat config called `flat_name` (None: no such field)."""
+  home = _flat_homes().get(flat_name)
+  return home and ".".join(home)
+
+
+def _unflattened(saved: dict[str, Any]) -> dict[str, Any]:
+  """A config.json written before the config had sections, in sections."""
+  home = _flat_homes()
+  nested: dict[str, Any] = {}
+  for key, value in saved.items():
+    if key in SECTIONS and isinstance(value, Mapping):
+      nested.setdefault(key, {}).update(value)
+    elif key in home:
+      section, name = home[key]
+      nested.setdefault(section, {})[name] = value
+    else:
+      nested[key] = value  # Unknown: parse names it.
+  return nested
+
+
+def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,
+          ignore_unknown: bool = False) -> Config:
+  """The sections of a config, each checked.
+
+  `config` may be flat (a config.json written before sections). `ignore_unknown`: fields this
+  version does not know are dropped (a workdir's saved config) instead of refused.
+
+  Raises:
+    ConfigError: an unknown section or field, or a bad value (named as SECTION.FIELD=VALUE).
+  """
+  if isinstance(config, Config):
+    return config
+  raw = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+  if any(k not in SECTIONS for k in raw):
+    raw = _unflattened(raw)
+  made = {}
+  for key, fields in raw.items():
+    if key not in SECTIONS or not isinstance(fields, Mapping):
+      check(ignore_unknown, f"{key} is not a config section; sections: {', '.join(SECTIONS)}")
+      continue
+    section = SECTIONS[key]
+    known = {f.name for f in dataclasses.fields(section)}
+    unknown = sorted(set(fields) - known)
+    check(ignore_unknown or not unknown,
+          f"{key}.{unknown[0] if unknown else ''} is not a field of the {key} section")
+    made[key] = section(**{k: v for k, v in fields.items() if k in known})
+  return Config(**made)
+
+
+def validate(config: ml_collections.ConfigDict | Mapping[str, Any] | Config) -> Config:
+  """`parse`: raises ConfigError naming the first bad field; compiles and reads nothing."""
+  return parse(config)
 
 
 def variants(arg: str | None, known: tuple[str, ...]) -> set[str]:
@@ -182,27 +382,18 @@ def variants(arg: str | None, known: tuple[str, ...]) -> set[str]:
   given = [a.strip() for a in (arg or "").split(",") if a.strip()]
   unknown = [a for a in given if a not in known]
   check(not unknown, f"unknown config variant {unknown[0] if unknown else ''!r}; this config "
-         f"knows {', '.join(repr(k) for k in known)} (configs/NAME.py:VARIANT)")
+        f"knows {', '.join(repr(k) for k in known)} (configs/NAME.py:VARIANT)")
   return set(given)
 
 
 def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Shrinks any config to a run of a few steps that finishes in seconds on a CPU."""
-  c.train_split = "train[:4000]"
-  c.eval_split = "validation[:256]"
-  c.vocab_size = min(c.vocab_size, 500)
-  c.max_len = min(c.max_len, 32)
-  c.batch_size = 16
-  c.eval_batch_size = 64
-  c.num_bleu_sentences = 64
+  c.data.update(train_split="train[:4000]", eval_split="validation[:256]",
+                vocab_size=min(c.data.vocab_size, 500), max_len=min(c.data.max_len, 32),
+                batch_size=16)
+  c.eval.update(batch_size=64, bleu_sentences=64, every=10)
   c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=2,
                  num_decoder_layers=2)
-  c.num_steps, c.warmup_steps = 20, 5
-  c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
+  c.optimizer.warmup_steps = 5
+  c.run.update(num_steps=20, log_every=5, checkpoint_every=10)
   return c
-
-
-def decode_defaults(saved: ml_collections.ConfigDict) -> dict:
-  """The decoding settings a workdir's run was configured with (its config.json's `decode`),
-  each missing one (a run older than the section) taken from base_config."""
-  return {**base_config().decode.to_dict(), **saved.get("decode", {})}

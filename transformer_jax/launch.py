@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 from absl import flags, logging
 
-from transformer_jax import errors
+from transformer_jax import config as config_lib, errors
 
 
 def detected_cluster() -> str | None:
@@ -55,7 +55,12 @@ def parse_flags(argv: list[str]) -> list[str]:
       name = str(missing.args[0]).strip("'\"") if missing.args else ""
       given = [a.split("=")[0] for a in argv
                if a.startswith("--config.") and a.split("=")[0].split(".")[-1] == name]
-      sys.exit(f"error: {given[0] if given else name}: no such config field (the fields and "
+      flag = given[0] if given else name
+      now = config_lib.moved(flag.removeprefix("--config.")) if flag.count(".") == 1 else None
+      if now:  # A field of the flat config the sections replaced.
+        sys.exit(f"error: {flag}: no such config field; it is --config.{now} (the fields and "
+                 "their meanings are in transformer_jax/config.py)")
+      sys.exit(f"error: {flag}: no such config field (the fields and "
                "their meanings are in transformer_jax/config.py)")
     root = e  # A config file that fails to load: the cause, not absl's wrapper.
     while (root.__cause__ or root.__context__) is not None:

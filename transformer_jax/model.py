@@ -24,7 +24,6 @@ Logical axis names (mapped to mesh axes only in sharding.py):
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import flax.linen as nn
 import jax
@@ -32,45 +31,41 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-Dtype = Literal["float32", "bfloat16"]
+from transformer_jax.config import ModelConfig
+
 REMAT_POLICIES = {"none": None, "full": None,
                   "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
 
 
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Frozen model hyperparameters; variants come from `dataclasses.replace`."""
+def attention_impl(requested: str | None, dtype: str, head_dim: int,
+                   platform: str | None = None) -> str | None:
+  """`auto` picks cuDNN's fused attention where it applies (an NVIDIA GPU, bfloat16, head dim a
+  multiple of 8 up to 128) and XLA's otherwise. `platform`: the one the program is compiled
+  for ("gpu", "tpu", "cpu"); default: this process's backend."""
+  if requested != "auto":
+    return requested
+  if platform is None:
+    platform = jax.default_backend()
+  cudnn_ok = (platform in ("gpu", "cuda") and dtype == "bfloat16"
+              and head_dim % 8 == 0 and head_dim <= 128)
+  return "cudnn" if cudnn_ok else "xla"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig(ModelConfig):
+  """Frozen model hyperparameters: the config's model section (its defaults and checks) and the
+  vocabularies; variants come from `dataclasses.replace`."""
 
   src_vocab_size: int
   tgt_vocab_size: int
-  d_model: int = 512
-  num_heads: int = 8
-  ffn_dim: int = 2048
-  num_encoder_layers: int = 6
-  num_decoder_layers: int = 6
-  dropout_rate: float = 0.1
-  pre_ln: bool = False  # False: the paper's post-LN blocks.
-  attention_bias: bool = True
-  share_embeddings: bool = False  # One table for source and target (joint vocabulary).
-  tie_output: bool = False  # Output projection is the target embedding, transposed.
-  dtype: Dtype = "float32"  # Compute dtype; parameters stay float32.
-  attention_impl: Literal["xla", "cudnn"] | None = "xla"
   attention_weights: bool = False  # Sow attention weights into "intermediates".
-  scan_layers: bool = False  # nn.scan over layers: compile time independent of depth.
-  remat: Literal["none", "full", "dots"] = "none"  # Recompute activations in the backward pass.
 
-  def __post_init__(self):
-    if self.d_model % self.num_heads:
-      raise ValueError(
-          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
+  def check(self):
+    super().check()
     if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
       raise ValueError("model.share_embeddings needs equal source and target vocabularies")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
     if self.attention_weights and self.scan_layers:
       raise ValueError("attention weights are sown per layer: use an unscanned model")
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
 
   @property
   def compute_dtype(self):
@@ -175,7 +170,8 @@ class MultiHeadAttention(nn.Module):
       self.sow("intermediates", "attention_weights", weights)
       out = jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v)
     else:
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.attention_impl)
+      impl = attention_impl(cfg.attention_impl, cfg.dtype, q.shape[-1])
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
     dt = cfg.compute_dtype
     # [B, T, N, H] -> [B, T, D] as one 2-D contraction over N*H (no per-call kernel copy on CPU).
     b, t, n, h = out.shape

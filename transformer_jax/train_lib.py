@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -16,6 +15,7 @@ from flax.training import train_state
 from jax.sharding import Mesh
 
 from transformer_jax import sharding
+from transformer_jax.config import OptimizerConfig, StepConfig
 from transformer_jax.errors import UserError
 
 Batch = dict[str, jax.Array]
@@ -30,28 +30,14 @@ class TrainState(train_state.TrainState):
     return self.params if self.ema_params is None else self.ema_params
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """The config fields the optimizer uses (meanings in transformer_jax/config.py)."""
-  schedule: str = "rsqrt"
-  learning_rate: float = 7e-4
-  warmup_steps: int = 4000
-  num_steps: int = 10_000
-  adam_b1: float = 0.9
-  adam_b2: float = 0.98
-  adam_eps: float = 1e-9
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0
-
-
-def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int) -> optax.Schedule:
   """`rsqrt`: the paper's linear warmup then inverse square root decay, peaking at
-  `learning_rate`; `cosine`: warmup then cosine decay to 0; `constant`."""
+  `learning_rate`; `cosine`: warmup then cosine decay to 0 at `num_steps`; `constant`."""
   peak, warmup = cfg.learning_rate, cfg.warmup_steps
   if cfg.schedule == "constant":
     return optax.constant_schedule(peak)
   if cfg.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(cfg.num_steps, warmup + 1))
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(num_steps, warmup + 1))
   if warmup == 0:
     return lambda s: peak * jax.lax.rsqrt(s + 1.0)
   return optax.join_schedules(
@@ -60,13 +46,13 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
       [warmup])
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
   """Global-norm clipping (none where grad_clip is 0) then Adam(W) with the config's betas,
-  epsilon and schedule."""
+  epsilon and schedule (over a run of `num_steps`)."""
   decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
-      optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
+      optax.adamw(learning_rate_schedule(cfg, num_steps), b1=cfg.adam_b1, b2=cfg.adam_b2,
                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
@@ -105,16 +91,6 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, seed:
   state = jax.jit(lambda rng: nn.meta.unbox(init(rng)),
                   out_shardings=shardings)(jax.random.PRNGKey(seed))
   return state, shardings
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-  """The config fields the train and eval steps use (meanings in transformer_jax/config.py)."""
-  label_smoothing: float = 0.1
-  grad_accum_steps: int = 1
-  loss_chunks: int = 1
-  ema_decay: float = 0.0
-  nan_at_step: int = 0
 
 
 def ema_decay_at(decay: float, step: jax.Array) -> jax.Array:

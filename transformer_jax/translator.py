@@ -35,7 +35,7 @@ class Translator:
     self.config, self.tokenizers, self.model = run.open()
     ckpt = run.checkpointer(read_only=True)
     mesh = sharding.make_mesh((-1, 1, 1))
-    self.uses_ema = ema and self.config.get("ema_decay", 0) > 0
+    self.uses_ema = ema and self.config.step.ema_decay > 0
     key = "ema_params" if self.uses_ema else "params"
     try:
       if step is None:  # The newest that reads back and verifies.
@@ -45,7 +45,7 @@ class Translator:
         self.params = ckpt.restore_params(step, self._abstract_params(), mesh, key)
     finally:
       ckpt.close()
-    self.max_src_len = int(self.config.max_len)
+    self.max_src_len = self.config.data.max_len
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     logging.info("Restored step %d from %s (%s)", self.step, run.checkpoints,
                  "the parameters' moving average" if self.uses_ema else "the parameters")
@@ -54,7 +54,7 @@ class Translator:
   def src_lang(self) -> str:
     """The source language's code (e.g. "en"), from the dataset the model was trained on."""
     from transformer_jax.data.sources import DATASETS  # tfds: imported only when asked.
-    return DATASETS[self.config.dataset].src_lang
+    return DATASETS[self.config.data.dataset].src_lang
 
   def _abstract_params(self):
     dummy = jnp.ones((1, 2), jnp.int32)
@@ -134,15 +134,15 @@ def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
   """(sources, references) of a split of the dataset a workdir was trained on."""
   from transformer_jax.data import sources
   from transformer_jax.data.builders import DatasetError
-  config = Workdir(workdir).load_config()
+  config = Workdir(workdir).load_config().data
   try:
-    builder = sources.prepare(config["dataset"], config["tfds_dir"] or os.path.expanduser(
-        "~/tensorflow_datasets"), config["data_dir"] or None)
-    pairs = sources.pairs(builder, config["dataset"], split)
+    builder = sources.prepare(config.dataset, config.tfds_dir or os.path.expanduser(
+        "~/tensorflow_datasets"), config.data_dir or None)
+    pairs = sources.pairs(builder, config.dataset, split)
   except (DatasetError, FileNotFoundError, ValueError, KeyError) as e:
-    raise InferenceError(f"--split {split} of {config['dataset']} (data_dir="
-                         f"{config['data_dir']!r}) cannot be read: {errors.first_line(e)}"
+    raise InferenceError(f"--split {split} of {config.dataset} (data_dir="
+                         f"{config.data_dir!r}) cannot be read: {errors.first_line(e)}"
                          ) from None
   if not pairs:
-    raise InferenceError(f"--split {split} of {config['dataset']} is empty")
+    raise InferenceError(f"--split {split} of {config.dataset} is empty")
   return [s for s, _ in pairs], [t for _, t in pairs]

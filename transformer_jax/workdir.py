@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax import checkpoint, config as config_lib, sections
+from transformer_jax import checkpoint, config as config_lib, errors, sections
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.errors import UserError
 from transformer_jax.model import Transformer
@@ -37,7 +37,7 @@ class WorkdirError(UserError, ValueError):
 
 class Opened(NamedTuple):
   """What decoding or averaging needs of a workdir, read and checked."""
-  config: ml_collections.ConfigDict
+  config: config_lib.Config
   tokenizers: Tokenizers
   model: Transformer
 
@@ -71,8 +71,9 @@ class Workdir:
 
   # The config.
 
-  def load_config(self) -> ml_collections.ConfigDict:
-    """The config the run was trained with.
+  def load_config(self) -> config_lib.Config:
+    """The config the run was trained with: its sections, each field this version added since
+    taken from the defaults (a config.json from before sections is read too).
 
     Raises:
       WorkdirError: the workdir holds no config.json, or a damaged one.
@@ -86,34 +87,34 @@ class Workdir:
     if not isinstance(saved, dict):
       raise WorkdirError(f"{self.config_file} is damaged (not a JSON object); restore it from a "
                          "copy")
-    return ml_collections.ConfigDict(saved)
+    try:
+      return config_lib.parse(saved, ignore_unknown=True)
+    except (config_lib.ConfigError, TypeError) as e:
+      raise WorkdirError(f"{self.config_file} is damaged ({errors.first_line(e)}); restore it "
+                         "from a copy") from None
 
-  def write_config(self, config: ml_collections.ConfigDict) -> None:
+  def write_config(self, cfg: config_lib.Config) -> None:
     """Replaces config.json whole: another host may be reading the previous one."""
     self.path.mkdir(parents=True, exist_ok=True)
     partial = self.path / (CONFIG + ".tmp")
-    partial.write_text(config.to_json_best_effort(indent=2))
+    partial.write_text(json.dumps(cfg.to_dict(), indent=2))
     partial.replace(self.config_file)
 
-  def check_resumable(self, config: ml_collections.ConfigDict) -> None:
-    """The checks a run of `config` in this workdir needs before anything is created: the
-    checkpoints are of the same model, and num_steps is not below the latest one's step."""
+  def check_resumable(self, cfg: config_lib.Config | ml_collections.ConfigDict) -> None:
+    """The checks a run of `cfg` in this workdir needs before anything is created: the
+    checkpoints are of the same model, and run.num_steps is not below the latest one's step."""
+    cfg = config_lib.parse(cfg)
     if self.path.exists() and not self.path.is_dir():
       raise WorkdirError(f"--workdir {self.path} is a file, not a directory")
     steps = self.checkpoint_steps()
     if steps and self.config_file.exists():
-      saved_json = self.config_file.read_text()
-      try:
-        json.loads(saved_json)
-      except json.JSONDecodeError as e:
-        raise WorkdirError(f"{self.config_file} is damaged ({e}); restore it from a copy or "
-                           "start a new workdir") from None
-      check_same_model(saved_json, config)
-      _warn_if_the_learning_rates_move(saved_json, config, steps[-1])
-    if steps and steps[-1] > config.num_steps:
+      saved = self.load_config()
+      check_same_model(saved, cfg)
+      _warn_if_the_learning_rates_move(saved, cfg, steps[-1])
+    if steps and steps[-1] > cfg.run.num_steps:
       raise WorkdirError(
-          f"num_steps={config.num_steps} is below the latest checkpoint's step ({steps[-1]}) "
-          f"in {self.checkpoints}; raise num_steps to train on, or use a new workdir")
+          f"run.num_steps={cfg.run.num_steps} is below the latest checkpoint's step "
+          f"({steps[-1]}) in {self.checkpoints}; raise it to train on, or use a new workdir")
 
   # Opening a trained run.
 
@@ -127,7 +128,7 @@ class Workdir:
     """The run's config, tokenizers and model (no parameters: see `checkpointer`)."""
     config = self.load_config()
     tokenizers = self.tokenizers()
-    model = Transformer(sections.model_config(config, tokenizers.src.vocab_size,
+    model = Transformer(sections.model_config(config.model, tokenizers.src.vocab_size,
                                               tokenizers.tgt.vocab_size))
     return Opened(config, tokenizers, model)
 
@@ -144,37 +145,35 @@ class Workdir:
     tokenizers.save(to)
 
 
-def check_same_model(saved_json: str, config: ml_collections.ConfigDict) -> None:
+def check_same_model(saved: config_lib.Config, cfg: config_lib.Config) -> None:
   """Raises ConfigError if a workdir's saved config describes another model (a resumed run
   must not restore, say, unscanned parameters into a scanned model)."""
-  saved_config = json.loads(saved_json)
-  saved, current = saved_config.get("model", {}), config.model.to_dict()
-  changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-  fields = ("dataset", "tokenizer", "vocab_size")
-  changed += [k for k in fields if saved_config.get(k) != config[k]]
-  if bool(saved_config.get("ema_decay", 0)) != bool(config.ema_decay):
-    changed.append("ema_decay")  # The checkpoints hold a moving average or do not.
-  fields += ("ema_decay",)
+  saved, cfg = config_lib.parse(saved), config_lib.parse(cfg)
+  before, after = dataclasses.asdict(saved.model), dataclasses.asdict(cfg.model)
+  changed = [f"model.{k}" for k in after if before[k] != after[k]]
+  changed += [f"data.{k}" for k in ("dataset", "tokenizer", "vocab_size")
+              if getattr(saved.data, k) != getattr(cfg.data, k)]
+  if bool(saved.step.ema_decay) != bool(cfg.step.ema_decay):
+    changed.append("step.ema_decay")  # The checkpoints hold a moving average or do not.
   config_lib.check(not changed, "the workdir's checkpoints are of another model: "
-                   + ", ".join(f"{'' if k in fields else 'model.'}{k}" for k in changed)
-                   + f" differ from its {CONFIG}")
+                   + ", ".join(changed) + f" differ from its {CONFIG}")
 
 
-def _warn_if_the_learning_rates_move(saved_json: str, config: ml_collections.ConfigDict,
+def _warn_if_the_learning_rates_move(saved: config_lib.Config, cfg: config_lib.Config,
                                      from_step: int) -> None:
   """Logs a warning when the run resumed from `from_step` would follow other learning rates
   than the one in the workdir's config.json (say, a cosine schedule, which spans num_steps,
   with another num_steps): allowed, as extending a run is, but not silently."""
-  from transformer_jax.train_lib import OptimizerConfig, learning_rate_schedule
-  saved = json.loads(saved_json)
-  names = [f.name for f in dataclasses.fields(OptimizerConfig)]
-  before = sections.optimizer_config(ml_collections.ConfigDict(
-      {k: saved.get(k, config[k]) for k in names}))  # A field the run predates: as now.
-  after = sections.optimizer_config(config)
-  steps = np.arange(from_step, min(before.num_steps, after.num_steps) + 1)
-  if np.array_equal(learning_rate_schedule(before)(steps), learning_rate_schedule(after)(steps)):
+  from transformer_jax.train_lib import learning_rate_schedule
+  before = (saved.optimizer, saved.run.num_steps)
+  after = (cfg.optimizer, cfg.run.num_steps)
+  steps = np.arange(from_step, min(before[1], after[1]) + 1)
+  if np.array_equal(learning_rate_schedule(*before)(steps), learning_rate_schedule(*after)(steps)):
     return
-  changed = ", ".join(f"{k}={getattr(after, k)!r} (the run's: {getattr(before, k)!r})"
-                      for k in names if getattr(before, k) != getattr(after, k))
+  changed = [f"optimizer.{k}={v!r} (the run's: {getattr(saved.optimizer, k)!r})"
+             for k, v in dataclasses.asdict(cfg.optimizer).items()
+             if getattr(saved.optimizer, k) != v]
+  if before[1] != after[1]:
+    changed.insert(0, f"run.num_steps={after[1]} (the run's: {before[1]})")
   logging.warning("%s: the learning rates from the checkpoint of step %d on are not the ones "
-                  "the run was following", changed, from_step)
+                  "the run was following", ", ".join(changed), from_step)

@@ -66,7 +66,7 @@ def define_flags():
   flags.DEFINE_string("plugins", None, "Directory of the compiler plugins (default: "
                       f"${aot.PLUGINS_ENV} or {aot.DEFAULT_PLUGINS}).")
   flags.DEFINE_string("save_train_step", None, "Also write the compiled train step here, for "
-                      "train.py --config.compiled_train_step on the target.")
+                      "train.py --config.run.compiled_train_step on the target.")
   flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
                     "--plugins and exit.")
 

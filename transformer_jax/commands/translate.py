@@ -17,6 +17,7 @@ of more than `--long_over` tokens (16) with beam B.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -25,7 +26,7 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import config as config_lib, errors, fs  # noqa: E402
+from transformer_jax import errors, fs  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.translator import Translator, split_pairs, translate_lines  # noqa: E402
@@ -128,7 +129,7 @@ def main(argv):
       raise InferenceError(f"--input {FLAGS.input} holds no sentence: nothing to translate or "
                            "score")
     # The recipe's decoding settings (the workdir's config), unless a flag overrides one.
-    defaults = config_lib.decode_defaults(Workdir(FLAGS.workdir).load_config())
+    defaults = dataclasses.asdict(Workdir(FLAGS.workdir).load_config().decode)
     for name in defaults:
       if getattr(FLAGS, name) is None:
         setattr(FLAGS, name, defaults[name])

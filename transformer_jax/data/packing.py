@@ -184,8 +184,9 @@ def require_pairs(sel: Selection, max_len: int, what: str) -> None:
   """Raises NoPairsError naming `what` (e.g. "the training split") where `sel` kept none."""
   if not len(sel.ids):
     raise NoPairsError(
-        f"{what} leaves no pair to use: all {sel.total} are empty or over max_len={max_len} "
-        "tokens a side (with <eos>); raise max_len, set overlong='truncate' or check the data")
+        f"{what} leaves no pair to use: all {sel.total} are empty or over data.max_len={max_len} "
+        "tokens a side (with <eos>); raise data.max_len, set data.overlong='truncate' or check "
+        "the data")
 
 
 def select(cache, max_len: int, overlong: str) -> Selection:

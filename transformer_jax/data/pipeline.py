@@ -20,34 +20,18 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
+from transformer_jax.config import DataConfig
 from transformer_jax.data import packing, token_cache, workers
 from transformer_jax.data.packing import FEATURES
 from transformer_jax.data.tokenizer import SPM_FILE, WORD_FILE, Tokenizers, train_tokenizers
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """The config fields the data path uses (see transformer_jax/config.py for their meaning)."""
-  dataset: str
-  data_dir: str
-  tfds_dir: str
-  cache_dir: str
-  train_split: str
-  eval_split: str
-  tokenizer: str
-  vocab_size: int
-  tokenizer_sample: int
-  max_len: int
-  overlong: str
-  num_workers: int
-
-  @property
-  def cache_root(self) -> Path:
-    """Tokenizers and token caches of this dataset made from this source (sources.source_key)."""
-    from transformer_jax.data import sources  # tfds loads here, not on import.
-    tfds_dir = self.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
-    return (Path(self.cache_dir or Path(tfds_dir) / "transformer_jax_cache") / self.dataset
-            / sources.source_key(self.data_dir or None))
+def cache_root(cfg: DataConfig) -> Path:
+  """Tokenizers and token caches of this dataset made from this source (sources.source_key)."""
+  from transformer_jax.data import sources  # tfds loads here, not on import.
+  tfds_dir = cfg.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
+  return (Path(cfg.cache_dir or Path(tfds_dir) / "transformer_jax_cache") / cfg.dataset
+          / sources.source_key(cfg.data_dir or None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +64,7 @@ def tokenizers_for(cfg: DataConfig, text, workdir: Path) -> Tokenizers:
     logging.info("Reusing the tokenizer saved in %s", workdir)
     return tokenizers
   # Keyed by what it is fitted on: the source (cache_root), the split, the sample, the kind.
-  shared = cfg.cache_root / (f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
+  shared = cache_root(cfg) / (f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
                              f"-{_split_dir(cfg.train_split)}")
   tokenizers = Tokenizers.load(shared)
   if tokenizers is None:
@@ -127,8 +111,9 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
     fp = token_cache.fingerprint(_tokenizer_files(workdir))
     caches = {}
     for split, text in texts.items():
-      directory = cfg.cache_root / fp / _split_dir(split)
-      caches[split] = (token_cache.build(directory, text, tokenizers, fp, cfg.num_workers)
+      directory = cache_root(cfg) / fp / _split_dir(split)
+      caches[split] = (token_cache.build(directory, text, tokenizers, fp,
+                                         resolve_workers(cfg.num_workers))
                        if build else token_cache.TokenCache(directory))
     return tokenizers, caches, texts[cfg.eval_split]
 
