@@ -32,8 +32,7 @@ def test_cached_steps_equal_the_teacher_forced_forward_pass(pre_ln):
   tgt = jnp.array([[BOS, 20, 21, 22, 23], [BOS, 30, 31, 32, 33]])
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), src, tgt)["params"])
   full = model.apply({"params": params}, src, tgt)  # [B, T, V]
-  cache = generation.encode_and_cache(model, params, src, max_len=8)
-  step = generation.tokens_to_logits_fn(model, params)
+  step, cache = generation.decoder(model, params, src, max_len=8)
   for t in range(tgt.shape[1]):
     logits, cache = step(tgt[:, t:t + 1], cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
@@ -128,8 +127,7 @@ def test_decoding_compiles_once_per_batch_and_length(tiny):
   model, params = tiny
   traced = chex.assert_max_traces(decode.sample, n=2)
   chex.clear_trace_counter()
-  fn = jax.jit(lambda p, s: traced(generation.tokens_to_logits_fn(model, p),
-                                   generation.encode_and_cache(model, p, s, 7), s.shape[0], 7,
+  fn = jax.jit(lambda p, s: traced(*generation.decoder(model, p, s, 7), s.shape[0], 7,
                                    SPECIALS))
   src = jnp.array([[5, 6, 2, 0]])
   for _ in range(3):  # Same shapes: one trace, whatever the number of decoded tokens.

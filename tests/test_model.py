@@ -152,8 +152,8 @@ def test_scanned_layers_give_the_unscanned_outputs(remat):
       np.asarray(g_full["decoder_1"]["ffn"]["wo"]["kernel"]), rtol=1e-4, atol=1e-6)
   # Cached decoding of the scanned model matches the teacher-forced pass.
   model = Transformer(scanned_cfg)
-  cache = jax.jit(generation.encode_and_cache, static_argnums=(0, 3))(model, stacked, src, 6)
-  step = jax.jit(generation.tokens_to_logits_fn(model, stacked))
+  step, cache = generation.decoder(model, stacked, src, 6)
+  step = jax.jit(step)
   for t in range(tgt.shape[1]):
     logits, cache = step(tgt[:, t:t + 1], cache)
     real = np.asarray(tgt[:, t] != 0)

@@ -5,6 +5,7 @@
   average     a new workdir with the mean parameters of a workdir's last checkpoints
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
+  export      a workdir's model as a CTranslate2 model or serialized jax decoders
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = ("train", "translate", "average", "visualize", "aot")
+COMMANDS = ("train", "translate", "average", "visualize", "aot", "export")
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Model-agnostic autoregressive decoding: greedy, sampling and beam search.
 
 Everything here takes a `tokens_to_logits(tokens [B, 1], cache) -> (logits [B, V], cache)`
-callable and runs inside one `lax.scan` (greedy, sampling) or `lax.while_loop` (beam search), so
-a jitted decoder compiles once per (batch size, max length). The cache is any pytree whose
+callable and runs inside one `lax.while_loop` that stops once every row (or, in beam search, every
+sentence) is done, so a jitted decoder compiles once per (batch size, max length). The cache is any pytree whose
 arrays lead with the batch axis; 0-d leaves (a step counter) are shared by all rows.
 
 Shapes: B batch, K beams, L max decode length, V vocabulary.
@@ -70,19 +70,25 @@ class Specials:
 
 def sample(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
            specials: Specials, sampler=Greedy(), rng: jax.Array | None = None) -> jax.Array:
-  """Generates [B, max_len] tokens; after <eos> a row emits <pad>."""
+  """Generates [B, max_len] tokens; after <eos> a row emits <pad>. The loop stops once every
+  row has ended (or at max_len)."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
 
-  def step(carry, t):
-    cache, last, done = carry
+  def cond(state):
+    t, _, _, done, _ = state
+    return (t < max_len) & ~jnp.all(done)
+
+  def body(state):
+    t, cache, last, done, out = state
     logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
     token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
     token = jnp.where(done, specials.pad, token)
-    return (cache, token, done | (token == specials.eos)), token
+    out = lax.dynamic_update_slice(out, token[:, None], (0, t))  # [B, L]
+    return t + 1, cache, token, done | (token == specials.eos), out
 
-  init = (cache, jnp.full((batch_size,), specials.bos, jnp.int32), jnp.zeros((batch_size,), bool))
-  _, tokens = lax.scan(step, init, jnp.arange(max_len))  # [L, B]
-  return tokens.T
+  state = (jnp.array(0), cache, jnp.full((batch_size,), specials.bos, jnp.int32),
+           jnp.zeros((batch_size,), bool), jnp.full((batch_size, max_len), specials.pad, jnp.int32))
+  return lax.while_loop(cond, body, state)[-1]
 
 
 def length_penalty(length, alpha: float):
@@ -131,11 +137,20 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
     i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
     last = live_seqs[:, :, i].reshape(b * k, 1)  # [B*K, 1]
     logits, cache = tokens_to_logits(last, cache)  # [B*K, V]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, -1)  # [B, K, V]
-    vocab = logp.shape[-1]
-    cand = (live_logp[:, :, None] + logp).reshape(b, k * vocab)  # [B, K*V]
-    top_logp, top_idx = lax.top_k(cand, 2 * k)  # [B, 2K]: enough to keep K that go on.
-    beam, token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
+    logits = logits.astype(jnp.float32).reshape(b, k, -1)  # [B, K, V]
+    vocab = logits.shape[-1]
+    # The 2K best continuations of the sentence are among the 2K best of each beam: pick
+    # those from the logits (a row's log-softmax keeps its order), then take their
+    # log-probabilities (log_softmax's own arithmetic: x - max - log(sum(exp(x - max))))
+    # without writing the [B, K, V] log-probabilities.
+    per_row = min(2 * k, vocab)
+    row_top, row_idx = lax.top_k(logits, per_row)  # [B, K, 2K]
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, 1]
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+    cand = (live_logp[:, :, None] + ((row_top - top) - log_sum)).reshape(b, k * per_row)
+    top_logp, pick = lax.top_k(cand, 2 * k)  # [B, 2K]: enough to keep K that go on.
+    beam = pick // per_row
+    token = jnp.take_along_axis(row_idx.reshape(b, -1), pick, axis=1).astype(jnp.int32)
     seqs = jnp.take_along_axis(live_seqs, beam[:, :, None], axis=1)  # [B, 2K, L+1]
     seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))
     is_eos = token == specials.eos
@@ -161,10 +176,14 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
   state = (jnp.array(0), seqs, live_logp, seqs, jnp.full((b, k), NEG_INF), jnp.zeros((b, k), bool),
            cache)
   _, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, _ = lax.while_loop(cond, body, state)
-  # A sentence with no finished beam (all hit max_len) returns its live beams.
-  any_fin = fin_flags.any(-1)
-  tokens = jnp.where(any_fin[:, None, None], fin_seqs, live_seqs)[:, :, 1:]
-  scores = jnp.where(any_fin[:, None], fin_scores, live_logp / max_penalty)
+  # Slots of a sentence that finished fewer than K beams by max_len (finished ones come first,
+  # best first) take its live beams, best first, scored at the largest length penalty.
+  slot = jnp.arange(k)[None, :] - fin_flags.sum(-1, keepdims=True)  # [B, K]: live beam to take
+  live_pick = jnp.clip(slot, 0, k - 1)
+  live_seqs = jnp.take_along_axis(live_seqs, live_pick[:, :, None], axis=1)
+  live_scores = jnp.take_along_axis(live_logp, live_pick, axis=1) / max_penalty
+  tokens = jnp.where(fin_flags[:, :, None], fin_seqs, live_seqs)[:, :, 1:]
+  scores = jnp.where(fin_flags, fin_scores, live_scores)
   return _pad_after_eos(tokens, specials), scores
 
 

@@ -4,7 +4,9 @@ then decode greedily, by sampling or by beam search; source sentences to padded 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
@@ -29,28 +31,68 @@ class DecodeOptions:
   max_len: int = 0  # ... or exactly this many, when positive.
 
 
-def encode_and_cache(model: Transformer, params, src, max_len: int):
-  """src [B, S] -> decoding cache (encoder run once, cross-attention keys/values computed)."""
+def encode_source(model: Transformer, params, src):
+  """src [B, S] -> the source's decoding state (encoder run once, every layer's cross-attention
+  keys and values computed once): Transformer.source_state."""
   segments = (src != 0).astype(jnp.int32)
   memory = model.apply({"params": params}, src, segments, method=Transformer.encode)
-  return model.apply({"params": params}, memory, segments, max_len, method=Transformer.init_cache)
+  return model.apply({"params": params}, memory, segments, method=Transformer.source_state)
 
 
-def tokens_to_logits_fn(model: Transformer, params):
-  return lambda tokens, cache: model.apply({"params": params}, tokens, cache,
-                                           method=Transformer.decode_step)
+def _members(model, params) -> tuple[tuple[Transformer, ...], tuple]:
+  """One model and its parameters, or an ensemble: sequences of both."""
+  if isinstance(model, Transformer):
+    return (model,), (params,)
+  return tuple(model), tuple(params)
 
 
-def generate(model: Transformer, params, src, max_len: int, beam_size: int = 1,
-             alpha: float = 0.6, sampler=decode.Greedy(), rng=None):
-  """src [B, S] -> tokens [B, max_len] (best beam), jit-able with static max_len/beam_size."""
-  cache = encode_and_cache(model, params, src, max_len)
-  step = tokens_to_logits_fn(model, params)
+def decoder(model, params, src, max_len: int):
+  """(tokens_to_logits, cache) for decode.py over the sources src [B, S], with `max_len` cached
+  positions per row. `model`/`params`: one model, or sequences of models sharing a vocabulary
+  (an ensemble: the step returns their log-probabilities averaged, [B*K, V])."""
+  models, params = _members(model, params)
+  sources = [encode_source(m, p, src) for m, p in zip(models, params)]
+  caches = tuple(m.apply({"params": p}, src.shape[0], max_len, method=Transformer.init_cache)
+                 for m, p in zip(models, params))
+
+  def step(i, tokens, cache):
+    return models[i].apply({"params": params[i]}, tokens, cache, sources[i],
+                           method=Transformer.decode_step)
+
+  if len(models) == 1:
+    return functools.partial(step, 0), caches[0]
+
+  def ensemble_step(tokens, caches):
+    logits, caches = zip(*(step(i, tokens, c) for i, c in enumerate(caches)))
+    logp = sum(jax.nn.log_softmax(x) for x in logits) / len(logits)  # [B*K, V]
+    return logp, tuple(caches)
+  return ensemble_step, caches
+
+
+def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,
+             sampler=decode.Greedy(), rng=None):
+  """src [B, S] -> tokens [B, max_len] (best beam), jit-able with static max_len/beam_size.
+  `model`/`params`: one model or an ensemble (see `decoder`)."""
   if beam_size > 1:
-    tokens, _ = decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size,
-                                   alpha)
-    return tokens[:, 0]
+    return beams(model, params, src, max_len, beam_size, alpha)[0][:, 0]
+  step, cache = decoder(model, params, src, max_len)
   return decode.sample(step, cache, src.shape[0], max_len, SPECIALS, sampler, rng)
+
+
+def beams(model, params, src, max_len: int, beam_size: int, alpha: float):
+  """src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam, best first, scored by
+  log-probability / GNMT length penalty (decode.beam_search)."""
+  step, cache = decoder(model, params, src, max_len)
+  return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha)
+
+
+def sequence_logprob(model: Transformer, params, src, tgt):
+  """Teacher-forced log-probabilities of whole outputs: src [B, S], tgt [B, T] output ids
+  ending with <eos>, then <pad> -> [B] float32, the sum over the tokens up to <eos>."""
+  tgt_in = jnp.concatenate([jnp.full_like(tgt[:, :1], BOS), tgt[:, :-1]], axis=1)
+  logits = model.apply({"params": params}, src, tgt_in)  # [B, T, V]
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tgt[..., None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(tgt != PAD, logp, 0.0), axis=-1)
 
 
 def encode_sources(tokenizer, sentences: list[str], max_src_len: int,

@@ -39,7 +39,8 @@ def attention_maps(translator: Translator, sentence: str):
   """
   src = encode_sources(translator.tokenizers.src, [sentence], translator.max_src_len)
   src = src[:, :int((src[0] > 0).sum())]  # No padding columns in the pictures.
-  out = np.asarray(translator.generate_ids(translator.params, src, src.shape[1] + 10, 1, 0.0))[0]
+  out = np.asarray(translator.generate_ids(translator.all_params, src, src.shape[1] + 10, 1,
+                                          0.0))[0]
   tgt_out = strip(out)
   tgt_in = np.array([[BOS] + tgt_out], np.int32)
   model = Transformer(dataclasses.replace(translator.model.cfg, attention_weights=True))

@@ -259,30 +259,38 @@ class DecoderBlock(nn.Module):
     """memory [B, S, D] -> cross-attention keys and values [B, S, N, H], once per source."""
     return self.cross_attention.project(memory, "key", "value")
 
-  def step(self, y, cache, index, cross_mask, layer: int | None = None):
-    """One decoding position: y [B, 1, D] -> ([B, 1, D], cache with this position's k, v).
+  def step(self, y, cache, cross, index, cross_mask, layer: int | None = None):
+    """One decoding position: y [B*K, 1, D] (K rows per source: beams) -> ([B*K, 1, D], cache
+    with this position's k, v).
 
-    cache: {"k", "v": [B, layers, L, N, H] self-attention keys/values of the positions so far,
-            "cross_k", "cross_v": [B, layers, S, N, H]}, this block's at `layer`; without
-    `layer` (the body of a scanned stack), this block's own, [B, L, N, H] and [B, S, N, H].
+    cache: {"k", "v": [B*K, layers, L, N, H]} self-attention keys/values of the positions so far;
+    cross: {"k", "v": [B, layers, S, N, H]} cross-attention keys/values, one per source (the K
+    rows of a source attend to them as K query positions: nothing is tiled or reordered);
+    cross_mask: [B, 1, 1, S]. Both this block's at `layer`; without `layer` (the body of a
+    scanned stack), this block's own: [B*K, L, N, H] and [B, S, N, H].
     """
     own = (lambda a: a) if layer is None else (lambda a: a[:, layer])
     new = dict(cache)
 
-    def self_attend(z):  # z: [B, 1, D]
-      q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B, 1, N, H] each
+    def self_attend(z):  # z: [B*K, 1, D]
+      q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B*K, 1, N, H] each
       for name, kv in (("k", k), ("v", v)):  # Write this position into the preallocated cache.
         kv = kv.astype(cache[name].dtype)
         new[name] = (lax.dynamic_update_slice(cache[name], kv, (0, index, 0, 0))
-                     if layer is None else  # [B, 1, N, H] -> [B, 1, 1, N, H]
+                     if layer is None else  # [B*K, 1, N, H] -> [B*K, 1, 1, N, H]
                      lax.dynamic_update_slice(cache[name], kv[:, None], (0, layer, index, 0, 0)))
       filled = (jnp.arange(own(cache["k"]).shape[1]) <= index)[None, None, None, :]  # [1,1,1,L]
       return self.self_attention.attend(q, own(new["k"]), own(new["v"]), filled)
 
+    def cross_attend(z):  # z: [B*K, 1, D]
+      (q,) = self.cross_attention.project(z, "query")  # [B*K, 1, N, H]
+      b = cross_mask.shape[0]
+      q = q.reshape(b, -1, *q.shape[2:])  # [B, K, N, H]: a source's K rows as query positions
+      out = self.cross_attention.attend(q, own(cross["k"]), own(cross["v"]), cross_mask)
+      return out.reshape(z.shape)  # [B, K, D] -> [B*K, 1, D]
+
     y = self.self_attention_sublayer(y, self_attend, True)
-    y = self._cross_and_ffn(y, lambda z: self.cross_attention.attend(
-        *self.cross_attention.project(z, "query"), own(cache["cross_k"]), own(cache["cross_v"]),
-        cross_mask), True)
+    y = self._cross_and_ffn(y, cross_attend, True)
     return y, new
 
 
@@ -320,10 +328,10 @@ class UnrolledDecoder(nn.Module):
     keys, values = zip(*(block.cross_kv(memory) for block in self.blocks))
     return jnp.stack(keys, axis=1), jnp.stack(values, axis=1)
 
-  def step(self, y, cache, index, cross_mask):
-    """y [B, 1, D] through every layer, each writing its position into the stacked cache."""
+  def step(self, y, cache, cross, index, cross_mask):
+    """y [B*K, 1, D] through every layer, each writing its position into the stacked cache."""
     for layer, block in enumerate(self.blocks):
-      y, cache = block.step(y, cache, index, cross_mask, layer)
+      y, cache = block.step(y, cache, cross, index, cross_mask, layer)
     return y, cache
 
 
@@ -383,7 +391,7 @@ class ScannedDecoder(nn.Module):
   def run(self, mode: str, carry, *args, deterministic: bool = True):
     """The scan in one of its modes (they share the stacked parameters)."""
     in_axes = {"train": nn.broadcast, "cross_kv": (),
-               "step": (1, nn.broadcast, nn.broadcast)}[mode]
+               "step": (1, 1, nn.broadcast, nn.broadcast)}[mode]
     stack = _scan(_DecoderLayer, self.cfg, self.cfg.num_decoder_layers, in_axes, out_axes=1)
     return stack(self.cfg, mode, deterministic, name="layers")(carry, *args)
 
@@ -394,8 +402,8 @@ class ScannedDecoder(nn.Module):
     """memory [B, S, D] -> every layer's cross-attention keys and values [B, layers, S, N, H]."""
     return self.run("cross_kv", memory)[1]
 
-  def step(self, y, cache, index, cross_mask):
-    return self.run("step", y, cache, index, cross_mask)
+  def step(self, y, cache, cross, index, cross_mask):
+    return self.run("step", y, cache, cross, index, cross_mask)
 
 
 def _embed(cfg: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
@@ -488,30 +496,38 @@ class Transformer(nn.Module):
     logits = nn.with_logical_constraint(self._logits(y), ("batch", "length", "vocab"))
     return logits.astype(jnp.float32)
 
-  def init_cache(self, memory, src_segments, max_len: int):
-    """Decoding state for `max_len` steps: preallocated self-attention caches, the
-    cross-attention keys and values (computed here, once), the source mask and the index.
+  def source_state(self, memory, src_segments):
+    """What decoding keeps of a source, computed once and never reordered: the cross-attention
+    keys and values of every layer and the source mask.
 
-    memory: [B, S, D], src_segments: [B, S] (0 = padding).
+    memory: [B, S, D], src_segments: [B, S] (0 = padding) ->
+    {"k", "v": [B, layers, S, N, H], "valid": [B, S] bool}.
     """
-    cfg = self.cfg
-    b, n, h = memory.shape[0], cfg.num_heads, cfg.d_model // cfg.num_heads
     cross_k, cross_v = self.decoder_stack.cross_kv(memory)  # [B, layers, S, N, H] each
-    zeros = jnp.zeros((b, cfg.num_decoder_layers, max_len, n, h), cfg.compute_dtype)
-    layers = {"k": zeros, "v": zeros, "cross_k": cross_k, "cross_v": cross_v}
-    return {"index": jnp.zeros((), jnp.int32), "src_valid": src_segments > 0, "layers": layers}
+    return {"k": cross_k, "v": cross_v, "valid": src_segments > 0}
 
-  def decode_step(self, tokens, cache):
-    """tokens: [B, 1], the previous output (or <bos>) -> (logits [B, V] float32, cache)."""
+  def init_cache(self, rows: int, max_len: int):
+    """The decoding state of `rows` output rows for `max_len` steps: preallocated
+    self-attention keys/values {"k", "v": [rows, layers, max_len, N, H]} and the index."""
+    cfg = self.cfg
+    n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
+    zeros = jnp.zeros((rows, cfg.num_decoder_layers, max_len, n, h), cfg.compute_dtype)
+    return {"index": jnp.zeros((), jnp.int32), "k": zeros, "v": zeros}
+
+  def decode_step(self, tokens, cache, source):
+    """tokens: [B*K, 1], the previous outputs (or <bos>) of K rows per source (beams; K = 1 for
+    greedy) -> (logits [B*K, V] float32, cache). `source`: `source_state`'s, of the B sources."""
     index = cache["index"]
     positions = jnp.broadcast_to(index, tokens.shape)
     y = self._inputs(self.tgt_embed, tokens, positions, True)
-    cross_mask = cache["src_valid"][:, None, None, :]  # [B, 1, 1, S]
-    y, layers = self.decoder_stack.step(y, cache["layers"], index, cross_mask)
+    cross_mask = source["valid"][:, None, None, :]  # [B, 1, 1, S]
+    layers = {"k": cache["k"], "v": cache["v"]}
+    cross = {"k": source["k"], "v": source["v"]}
+    y, layers = self.decoder_stack.step(y, layers, cross, index, cross_mask)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
     logits = self._logits(y)
-    return logits[:, 0].astype(jnp.float32), {**cache, "index": index + 1, "layers": layers}
+    return logits[:, 0].astype(jnp.float32), {"index": index + 1, **layers}
 
   def __call__(self, src, tgt_in, src_segments=None, tgt_segments=None, src_positions=None,
                tgt_positions=None, deterministic=True):

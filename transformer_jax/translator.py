@@ -1,5 +1,6 @@
 """A trained model restored from a workdir (config, tokenizer, the newest checkpoint that
-verifies), with a jitted generate function.
+verifies), or an ensemble of several, with jitted decoders: best translations, n-best lists,
+log-probabilities of given outputs.
 
 Only the parameters are read from the checkpoint (not the optimizer state), onto whatever
 devices this machine has.
@@ -20,35 +21,52 @@ import tqdm
 from absl import logging
 
 from transformer_jax import errors, sentences, sharding
-from transformer_jax.generation import (DecodeOptions, InferenceError, encode_sources, generate,
-                                        strip)
+from transformer_jax.data.tokenizer import EOS, PAD
+from transformer_jax.generation import (DecodeOptions, InferenceError, beams, encode_sources,
+                                        generate, sequence_logprob, strip)
 from transformer_jax.workdir import Workdir
 
 
 class Translator:
-  """Restores a workdir's model and tokenizer and translates batches of sentences."""
+  """Restores a workdir's model and tokenizer (or several workdirs' models sharing a
+  vocabulary: an ensemble) and translates batches of sentences."""
 
-  def __init__(self, workdir: str | Path, step: int | None = None, ema: bool = True):
-    """`ema`: decode with the parameters' moving average where the run kept one (ema_decay >
-    0), else with the parameters themselves."""
-    run = Workdir(workdir)
-    self.config, self.tokenizers, self.model = run.open()
-    ckpt = run.checkpointer(read_only=True)
-    mesh = sharding.make_mesh((-1, 1, 1))
-    self.uses_ema = ema and self.config.step.ema_decay > 0
-    key = "ema_params" if self.uses_ema else "params"
-    try:
-      if step is None:  # The newest that reads back and verifies.
-        self.step, self.params = ckpt.restore_params_latest(self._abstract_params(), mesh, key)
-      else:
-        self.step = step
-        self.params = ckpt.restore_params(step, self._abstract_params(), mesh, key)
-    finally:
-      ckpt.close()
-    self.max_src_len = self.config.data.max_len
+  def __init__(self, workdir: str | Path | Sequence[str | Path], step: int | None = None,
+               ema: bool = True):
+    """`workdir`: one, or several decoded as an ensemble (their log-probabilities averaged at
+    every step); the first gives the config (max_len, decoding defaults). `step`: the
+    checkpoint to read (every workdir's), default the newest that verifies. `ema`: decode with
+    the parameters' moving average where a run kept one (ema_decay > 0)."""
+    workdirs = [workdir] if isinstance(workdir, (str, Path)) else list(workdir)
+    if not workdirs:
+      raise InferenceError("no workdir given")
+    models, params, steps, tokenizers, max_lens = [], [], [], [], []
+    for path in workdirs:
+      config, tok, model, member_step, member_params, uses_ema = _restore(path, step, ema)
+      if tokenizers and not tok.same_as(tokenizers[0]):
+        raise InferenceError(f"{path} has another vocabulary than {workdirs[0]}: an ensemble "
+                             "needs the same tokenizer in every workdir")
+      if not models:
+        self.config, self.tokenizers, self.uses_ema = config, tok, uses_ema
+      models.append(model)
+      params.append(member_params)
+      steps.append(member_step)
+      tokenizers.append(tok)
+      max_lens.append(config.data.max_len)
+    self.models, self.all_params = tuple(models), tuple(params)
+    self.step = steps[0] if len(steps) == 1 else tuple(steps)
+    self.max_src_len = min(max_lens)  # Sources longer than a member's max_len are truncated.
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
-    logging.info("Restored step %d from %s (%s)", self.step, run.checkpoints,
-                 "the parameters' moving average" if self.uses_ema else "the parameters")
+
+  @property
+  def model(self):
+    """The (first member's) model."""
+    return self.models[0]
+
+  @property
+  def params(self):
+    """The (first member's) parameters."""
+    return self.all_params[0]
 
   @property
   def src_lang(self) -> str:
@@ -56,24 +74,76 @@ class Translator:
     from transformer_jax.data.sources import DATASETS  # tfds: imported only when asked.
     return DATASETS[self.config.data.dataset].src_lang
 
-  def _abstract_params(self):
-    dummy = jnp.ones((1, 2), jnp.int32)
-    boxed = jax.eval_shape(self.model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
-    return boxed  # Still boxed: the checkpointer turns the names into shardings.
-
   @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
   def generate_ids(self, params, src, max_len, beam_size, alpha):
-    """src [B, S] -> best output tokens [B, max_len]; compiled once per shape and options."""
-    return generate(self.model, params, src, max_len, beam_size, alpha)
+    """params: `all_params`; src [B, S] -> best output tokens [B, max_len]; compiled once per
+    shape and options."""
+    return generate(self.models, params, src, max_len, beam_size, alpha)
+
+  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+  def beam_ids(self, params, src, max_len, beam_size, alpha):
+    """params: `all_params`; src [B, S] -> (tokens [B, K, max_len], scores [B, K]), every beam
+    best first."""
+    return beams(self.models, params, src, max_len, beam_size, alpha)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def _logprob(self, params, src, tgt):
+    return sequence_logprob(self.model, params, src, tgt)
 
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
                 numbers: list[int] | None = None) -> list[str]:
     """`numbers`: the sentences' line numbers, for warnings (default: 1, 2, ...)."""
     src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
     max_len = options.max_len or src.shape[1] + options.max_len_margin
-    tokens = np.asarray(self.generate_ids(self.params, src, max_len, options.beam_size,
-                                       options.alpha))
+    tokens = np.asarray(self.generate_ids(self.all_params, src, max_len, options.beam_size,
+                                          options.alpha))
     return [self.tokenizers.tgt.decode(strip(row)) for row in tokens]
+
+  def n_best(self, sentences: list[str], n: int, options: DecodeOptions,
+             numbers: list[int] | None = None) -> list[list[tuple[float, str]]]:
+    """The `n` best beams of each sentence, best first: (score, translation), the score being
+    the beam's log-probability / GNMT length penalty (options.beam_size >= n)."""
+    if not 1 <= n <= options.beam_size:
+      raise InferenceError(f"--n_best {n} must be between 1 and the beam size "
+                           f"({options.beam_size})")
+    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
+    max_len = options.max_len or src.shape[1] + options.max_len_margin
+    tokens, scores = map(np.asarray, self.beam_ids(self.all_params, src, max_len,
+                                                   options.beam_size, options.alpha))
+    return [[(float(scores[i, j]), self.tokenizers.tgt.decode(strip(tokens[i, j])))
+             for j in range(n)] for i in range(len(sentences))]
+
+  def logprob(self, sentences: list[str], outputs: list[list[int]]) -> np.ndarray:
+    """The (first member's) log-probability of each output (ids without <eos>) given its
+    source, teacher-forced: [B] float."""
+    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len)
+    width = max(len(o) for o in outputs) + 1
+    tgt = np.array([list(o) + [EOS] + [PAD] * (width - len(o) - 1) for o in outputs], np.int32)
+    return np.asarray(self._logprob(self.params, src, tgt))
+
+
+def _restore(workdir, step: int | None, ema: bool):
+  """(config, tokenizers, model, step, params, uses_ema) of one workdir: its parameters (not
+  the optimizer state) onto this machine's devices."""
+  run = Workdir(workdir)
+  config, tokenizers, model = run.open()
+  uses_ema = ema and config.step.ema_decay > 0
+  key = "ema_params" if uses_ema else "params"
+  dummy = jnp.ones((1, 2), jnp.int32)
+  # Still boxed: the checkpointer turns the logical names into shardings.
+  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
+  ckpt = run.checkpointer(read_only=True)
+  mesh = sharding.make_mesh((-1, 1, 1))
+  try:
+    if step is None:  # The newest that reads back and verifies.
+      step, params = ckpt.restore_params_latest(abstract, mesh, key)
+    else:
+      params = ckpt.restore_params(step, abstract, mesh, key)
+  finally:
+    ckpt.close()
+  logging.info("Restored step %d from %s (%s)", step, run.checkpoints,
+               "the parameters' moving average" if uses_ema else "the parameters")
+  return config, tokenizers, model, step, params, uses_ema
 
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
@@ -107,26 +177,39 @@ def _token_lengths(translator: Translator, lines: list[str]) -> list[int]:
   return [len(ids) + 1 for ids in translator.tokenizers.src.encode(lines)]
 
 
+def n_best_lines(translator: Translator, lines: list[str], n: int, options: DecodeOptions,
+                 batch_size: int, progress: bool = True) -> list[list[tuple[float, str]]]:
+  """The `n` best beams (score, translation) of every line, best first, in the input order;
+  each line is translated whole (no sentence splitting); a blank line gets an empty list."""
+  translate = lambda texts, options, numbers: translator.n_best(texts, n, options, numbers)
+  return _translate_each(translator, lines, [(range(len(lines)), options)], batch_size, progress,
+                         translate=translate, empty=[])
+
+
 def _translate_each(translator: Translator, lines: list[str],
                     groups: list[tuple[Sequence[int], DecodeOptions]], batch_size: int,
-                    progress: bool, numbers: list[int] | None = None) -> list[str]:
+                    progress: bool, numbers: list[int] | None = None, translate=None,
+                    empty="") -> list:
   """Translates the lines of each group (their indices) with the group's options.
-  `numbers`: each line's number in warnings (default: its index + 1)."""
+  `numbers`: each line's number in warnings (default: its index + 1). `translate(texts,
+  options, numbers)`: what a batch gives (default: Translator.translate); `empty`: the result
+  of a blank line."""
   numbers = numbers or list(range(1, len(lines) + 1))
+  translate = translate or translator.translate
   batches = []
   for indices, options in groups:
     order = sorted((i for i in indices if lines[i].strip()), key=lambda i: len(lines[i]))
     batches += [(order[i:i + batch_size], options) for i in range(0, len(order), batch_size)]
-  out = [""] * len(lines)
+  out = [empty] * len(lines)
   for batch, options in tqdm.tqdm(batches, desc="translating", unit="batch",
                                   disable=not progress):
     # Pad the batch to a full one so that every batch shares the compiled shape.
     texts = [lines[i] for i in batch]
     pad = batch_size - len(batch)
-    results = translator.translate(texts + texts[:1] * pad, options,
-                                   numbers=[numbers[i] for i in batch] + [numbers[batch[0]]] * pad)
-    for i, text in zip(batch, results):
-      out[i] = text
+    results = translate(texts + texts[:1] * pad, options,
+                        [numbers[i] for i in batch] + [numbers[batch[0]]] * pad)
+    for i, result in zip(batch, results):
+      out[i] = result
   return out
 
 

@@ -16,7 +16,7 @@ t = Translator(W, ema=False)
 def translate(self, sentences, options=DecodeOptions(), numbers=None):
   src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
   max_len = int(ratio * src.shape[1]) + options.max_len_margin
-  tokens = np.asarray(self.generate_ids(self.params, src, max_len, options.beam_size, options.alpha))
+  tokens = np.asarray(self.generate_ids(self.all_params, src, max_len, options.beam_size, options.alpha))
   return [self.tokenizers.tgt.decode(tr_mod.strip(row)) for row in tokens]
 Translator.translate = translate
 if split == 'validation':

@@ -4,6 +4,8 @@
   python -m transformer_jax translate --workdir runs/fra_eng --beam_size 4 \
       --input test.eng --output test.hyp --reference test.fra
   python -m transformer_jax translate --workdir runs/fra_eng --split validation
+  python -m transformer_jax translate --workdir runs/fra_eng --n_best 4 --input test.eng
+  python -m transformer_jax translate --workdir runs/a --workdir runs/b --input test.eng
 
 `--split` translates a split of the workdir's own dataset (its config.json's dataset, data_dir
 and tfds_dir) and scores it against the split's targets: the validation BLEU recipes are
@@ -29,7 +31,8 @@ from absl import app, flags  # noqa: E402
 from transformer_jax import errors, fs  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
-from transformer_jax.translator import Translator, split_pairs, translate_lines  # noqa: E402
+from transformer_jax.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
+                                        translate_lines)
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 
@@ -58,9 +61,20 @@ def check_output_path(path: str) -> None:
   fs.check_writable(p, "--output")
 
 
+def format_n_best(lists: list[list[tuple[float, str]]]) -> str:
+  """n-best lists as text: one line per hypothesis, SOURCE_LINE<TAB>RANK<TAB>SCORE<TAB>
+  TRANSLATION, source lines from 1, ranks from 1 (best first), the score with 6 decimals."""
+  return "".join(f"{line}\t{rank}\t{score:.6f}\t{text}\n"
+                 for line, entries in enumerate(lists, 1)
+                 for rank, (score, text) in enumerate(entries, 1))
+
+
 def define_flags():
   """Command-line flags; defined only when run as a command, so importing is side-effect free."""
-  flags.DEFINE_string("workdir", None, "Training workdir (config.json, tokenizer, checkpoints/).")
+  flags.DEFINE_multi_string("workdir", None, "Training workdir (config.json, tokenizer, "
+                            "checkpoints/). Given more than once: an ensemble of workdirs that "
+                            "share a tokenizer, their log-probabilities averaged at every step; "
+                            "the first one's config gives the decoding defaults.")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
   flags.DEFINE_integer("beam_size", None, "Beam size; 1 decodes greedily. Default: the workdir's "
                        "config (decode.beam_size).")
@@ -83,6 +97,10 @@ def define_flags():
   flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
   flags.DEFINE_string("split", None, "Translate this split of the workdir's dataset (e.g. "
                       "validation) and print sacreBLEU against its targets.")
+  flags.DEFINE_integer("n_best", 0, "Write the N best beams of every source with their scores "
+                       "(SOURCE_LINE<TAB>RANK<TAB>SCORE<TAB>TRANSLATION, docs/translating.md) "
+                       "instead of the best translation; needs --beam_size >= N. Sources are "
+                       "translated whole (no sentence splitting).")
   flags.DEFINE_bool("ema", True, "Decode with the parameters' moving average where the run kept "
                     "one (ema_decay > 0); --noema: with the parameters themselves.")
 
@@ -118,8 +136,15 @@ def main(argv):
                            f"{FLAGS.max_len}")
     if FLAGS.output:
       check_output_path(FLAGS.output)
+    if FLAGS.n_best < 0:
+      raise InferenceError(f"--n_best must be 0 (off) or positive, got {FLAGS.n_best}")
+    if FLAGS.n_best and FLAGS.long_beam_size:
+      raise InferenceError("--n_best decodes every source with --beam_size: drop "
+                           "--long_beam_size")
+    if len(set(FLAGS.workdir)) != len(FLAGS.workdir):
+      raise InferenceError("a --workdir is given twice")
     if FLAGS.split:
-      lines, references = split_pairs(FLAGS.workdir, FLAGS.split)
+      lines, references = split_pairs(FLAGS.workdir[0], FLAGS.split)
     else:
       lines = read_lines(FLAGS.input) if FLAGS.input else sentences
       references = read_lines(FLAGS.reference) if FLAGS.reference else None
@@ -129,12 +154,17 @@ def main(argv):
       raise InferenceError(f"--input {FLAGS.input} holds no sentence: nothing to translate or "
                            "score")
     # The recipe's decoding settings (the workdir's config), unless a flag overrides one.
-    defaults = dataclasses.asdict(Workdir(FLAGS.workdir).load_config().decode)
+    defaults = dataclasses.asdict(Workdir(FLAGS.workdir[0]).load_config().decode)
     for name in defaults:
       if getattr(FLAGS, name) is None:
         setattr(FLAGS, name, defaults[name])
     if FLAGS.long_beam_size and FLAGS.beam_size == 1:
       raise InferenceError("--long_beam_size needs beam search: --beam_size 1 decodes greedily")
+    if FLAGS.n_best > FLAGS.beam_size:
+      raise InferenceError(f"--n_best {FLAGS.n_best} is more than the beam size "
+                           f"({FLAGS.beam_size}): raise --beam_size")
+    if FLAGS.n_best:
+      FLAGS.long_beam_size = 0  # The workdir's default: n-best decodes every source alike.
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema)
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
@@ -145,12 +175,18 @@ def main(argv):
     batch_size = FLAGS.batch_size if many else max(1, len(lines))
     segment_over = None if FLAGS.segment_over < 0 else FLAGS.segment_over
     long_beam = (FLAGS.long_over, FLAGS.long_beam_size) if FLAGS.long_beam_size else None
-    hypotheses = translate_lines(translator, lines, options, batch_size, progress=many,
-                                 segment_over=segment_over, long_beam=long_beam)
-    if FLAGS.output:
-      Path(FLAGS.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    if FLAGS.n_best:
+      lists = n_best_lines(translator, lines, FLAGS.n_best, options, batch_size, progress=many)
+      text = format_n_best(lists)
+      hypotheses = [entries[0][1] if entries else "" for entries in lists]
     else:
-      print("\n".join(hypotheses))
+      hypotheses = translate_lines(translator, lines, options, batch_size, progress=many,
+                                   segment_over=segment_over, long_beam=long_beam)
+      text = "".join(h + "\n" for h in hypotheses)
+    if FLAGS.output:
+      Path(FLAGS.output).write_text(text, encoding="utf-8")
+    else:
+      print(text, end="")
     if references is not None:
       score, signature = corpus_bleu(hypotheses, references)
       print(f"BLEU = {score:.2f}  {signature}")

@@ -30,6 +30,8 @@ class Tokenizer(Protocol):
 
   def decode(self, ids: Iterable[int]) -> str: ...
 
+  def pieces(self) -> list[str]: ...
+
 
 class SentencePiece:
   """A joint SentencePiece unigram model."""
@@ -63,6 +65,10 @@ class SentencePiece:
   def decode(self, ids):
     return self._sp.decode([int(i) for i in ids if i >= UNK])  # Drop pad, bos, eos.
 
+  def pieces(self) -> list[str]:
+    """Every piece, by id (the reserved ids' names included)."""
+    return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
 
 def d2l_preprocess(text: str) -> str:
   """d2l's word-level normalization: lowercase, a space before , . ! ? when missing."""
@@ -92,10 +98,18 @@ class WordVocab:
   def decode(self, ids):
     return " ".join(self.tokens[i] for i in ids if i > EOS)
 
+  def pieces(self) -> list[str]:
+    return list(self.tokens)
+
 
 class Tokenizers(NamedTuple):
   src: Tokenizer
   tgt: Tokenizer
+
+  def same_as(self, other: "Tokenizers") -> bool:
+    """Whether both map every piece to the same id, on both sides."""
+    return all(type(a) is type(b) and a.pieces() == b.pieces()
+               for a, b in ((self.src, other.src), (self.tgt, other.tgt)))
 
   def save(self, workdir: str | Path) -> None:
     workdir = Path(workdir)

@@ -1,0 +1,149 @@
+"""Translating a whole file with this project and with CTranslate2 on the same weights.
+
+  python benchmarks/decode_vs_ctranslate2.py --workdir runs/fra_eng \
+      --input ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.eng \
+      --reference ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
+      --json benchmarks/results/NAME.json
+
+The workdir is exported to CTranslate2 (`transformer_jax.export`, float32) and loaded as float32
+and as int8 (CTranslate2 quantizes on load). Every engine translates every source whole (no
+sentence splitting), greedy and with beam 4, on the same number of threads (`--threads`: XLA's
+CPU thread pool and CTranslate2's intra_threads). A first pass of each engine and mode is a
+warm-up (for ours: compiling each batch shape; its extra time is reported as compile time);
+then `--rounds` timed passes alternate between the engines (A B C A B C), so that a busy machine
+slows all alike. Reported: sentences/s and target tokens/s (SentencePiece pieces of the
+outputs) of the median pass, BLEU of the outputs (sacreBLEU against --reference), and how many
+outputs equal ours. Beam search: each engine's own length normalization at --alpha (ours GNMT's
+((5 + n) / 6) ** alpha, CTranslate2's n ** alpha).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--input", required=True)
+  parser.add_argument("--reference", default=None)
+  parser.add_argument("--limit", type=int, default=0, help="Only the first N sources (0: all).")
+  parser.add_argument("--threads", type=int, default=os.cpu_count())
+  parser.add_argument("--beam_size", type=int, default=4)
+  parser.add_argument("--alpha", type=float, default=None,
+                      help="Length penalty; default: the workdir's decode.alpha.")
+  parser.add_argument("--batch_tokens", type=int, default=None,
+                      help="Ours: source tokens per batch (default: translate's).")
+  parser.add_argument("--ct2_batch", type=int, default=64,
+                      help="CTranslate2's max_batch_size (examples).")
+  parser.add_argument("--modes", default="greedy,beam")
+  parser.add_argument("--engines", default="ours,ct2-float32,ct2-int8")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+  # XLA's CPU thread pool: set before jax starts.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                             f"{'true' if args.threads > 1 else 'false'} "
+                             f"intra_op_parallelism_threads={args.threads}").strip()
+
+  import ctranslate2
+  import jax
+  import sacrebleu
+
+  from transformer_jax import export
+  from transformer_jax.commands.translate import read_lines
+  from transformer_jax.generation import DecodeOptions
+  from transformer_jax.translator import Translator, translate_lines
+
+  lines = read_lines(args.input)
+  references = read_lines(args.reference) if args.reference else None
+  if args.limit:
+    lines = lines[:args.limit]
+    references = references and references[:args.limit]
+  translator = Translator(args.workdir)
+  alpha = translator.config.decode.alpha if args.alpha is None else args.alpha
+  sp = translator.tokenizers.src
+  sources = [sp._sp.encode(line, out_type=str) for line in lines]
+  max_len = translator.max_src_len
+
+  with tempfile.TemporaryDirectory() as tmp:
+    ct2_dir = export.export(args.workdir, "ctranslate2", Path(tmp) / "ct2")
+    engines = {}
+    for name in args.engines.split(","):
+      if name == "ours":
+        engines[name] = None
+      else:
+        engines[name] = ctranslate2.Translator(str(ct2_dir), device="cpu",
+                                               compute_type=name.split("-")[1],
+                                               inter_threads=1, intra_threads=args.threads)
+
+    def run(name: str, beam: int) -> list[str]:
+      if name == "ours":
+        options = DecodeOptions(beam_size=beam, alpha=alpha)
+        kwargs = {"batch_tokens": args.batch_tokens} if args.batch_tokens else {}
+        return translate_lines(translator, lines, options, 64, progress=False, **kwargs)
+      results = engines[name].translate_batch(
+          sources, max_batch_size=args.ct2_batch, beam_size=beam, length_penalty=alpha,
+          max_input_length=max_len, max_decoding_length=max_len + 10)
+      return [sp._sp.decode_pieces(r.hypotheses[0]) for r in results]
+
+    rows = []
+    for mode in args.modes.split(","):
+      beam = 1 if mode == "greedy" else args.beam_size
+      outputs, first, times = {}, {}, {name: [] for name in engines}
+      for name in engines:  # Warm-up pass: compiles ours.
+        start = time.perf_counter()
+        outputs[name] = run(name, beam)
+        first[name] = time.perf_counter() - start
+        print(f"{mode} {name}: first pass {first[name]:.1f} s", flush=True)
+      for _ in range(args.rounds):
+        for name in engines:
+          start = time.perf_counter()
+          out = run(name, beam)
+          times[name].append(time.perf_counter() - start)
+          assert out == outputs[name], f"{name} translated differently on another pass"
+          print(f"{mode} {name}: {times[name][-1]:.1f} s", flush=True)
+      for name in engines:
+        median = statistics.median(times[name])
+        tokens = sum(len(ids) for ids in sp.encode(outputs[name]))
+        row = {"engine": name, "mode": mode, "beam_size": beam, "sentences": len(lines),
+               "median_s": median, "passes_s": times[name], "first_pass_s": first[name],
+               "compile_s": max(0.0, first[name] - median), "sentences_per_s": len(lines) / median,
+               "target_tokens_per_s": tokens / median,
+               "same_as_ours": sum(a == b for a, b in zip(outputs[name], outputs.get("ours", [])))}
+        if references:
+          row["bleu"] = sacrebleu.corpus_bleu(outputs[name], [references]).score
+        rows.append(row)
+
+  cpu = platform.processor() or platform.machine()
+  header = (f"{cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; jax "
+            f"{jax.__version__}, ctranslate2 {ctranslate2.__version__}; {len(lines)} sources of "
+            f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
+            f"alpha {alpha}; {time.strftime('%Y-%m-%d')}")
+  print(header)
+  print(f"{'mode':<7} {'engine':<13} {'sent/s':>8} {'tok/s':>8} {'median s':>9} {'compile s':>9} "
+        f"{'BLEU':>6} {'= ours':>7} {'vs ct2-f32':>10}")
+  for r in rows:
+    base = next((b for b in rows if b["mode"] == r["mode"] and b["engine"] == "ct2-float32"), r)
+    print(f"{r['mode']:<7} {r['engine']:<13} {r['sentences_per_s']:>8.1f} "
+          f"{r['target_tokens_per_s']:>8.0f} {r['median_s']:>9.1f} {r['compile_s']:>9.1f} "
+          f"{r.get('bleu', float('nan')):>6.2f} {r['same_as_ours']:>7} "
+          f"{r['sentences_per_s'] / base['sentences_per_s']:>9.2f}x")
+  if args.json:
+    Path(args.json).write_text(json.dumps({"header": header, "command": sys.argv, "rows": rows},
+                                          indent=2))
+
+
+if __name__ == "__main__":
+  main()
