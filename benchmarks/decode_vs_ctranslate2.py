@@ -43,8 +43,10 @@ def main():
   parser.add_argument("--beam_size", type=int, default=4)
   parser.add_argument("--alpha", type=float, default=None,
                       help="Length penalty; default: the workdir's decode.alpha.")
-  parser.add_argument("--batch_tokens", type=int, default=None,
-                      help="Ours: source tokens per batch (default: translate's).")
+  parser.add_argument("--batch_size", type=int, default=64,
+                      help="Ours: sentences per batch (at most, with --batch_tokens).")
+  parser.add_argument("--batch_tokens", type=int, default=0,
+                      help="Ours: decoder rows x source tokens per batch (0: --batch_size).")
   parser.add_argument("--ct2_batch", type=int, default=64,
                       help="CTranslate2's max_batch_size (examples).")
   parser.add_argument("--modes", default="greedy,beam")
@@ -91,8 +93,8 @@ def main():
     def run(name: str, beam: int) -> list[str]:
       if name == "ours":
         options = DecodeOptions(beam_size=beam, alpha=alpha)
-        kwargs = {"batch_tokens": args.batch_tokens} if args.batch_tokens else {}
-        return translate_lines(translator, lines, options, 64, progress=False, **kwargs)
+        return translate_lines(translator, lines, options, args.batch_size, progress=False,
+                               batch_tokens=args.batch_tokens)
       results = engines[name].translate_batch(
           sources, max_batch_size=args.ct2_batch, beam_size=beam, length_penalty=alpha,
           max_input_length=max_len, max_decoding_length=max_len + 10)

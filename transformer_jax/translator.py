@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,10 +43,10 @@ class Translator:
       raise InferenceError("no workdir given")
     models, params, steps, tokenizers, max_lens = [], [], [], [], []
     for path in workdirs:
-      config, tok, model, member_step, member_params, uses_ema = _restore(path, step, ema)
-      if tokenizers and not tok.same_as(tokenizers[0]):
+      if tokenizers and not Workdir(path).tokenizers().same_as(tokenizers[0]):
         raise InferenceError(f"{path} has another vocabulary than {workdirs[0]}: an ensemble "
                              "needs the same tokenizer in every workdir")
+      config, tok, model, member_step, member_params, uses_ema = _restore(path, step, ema)
       if not models:
         self.config, self.tokenizers, self.uses_ema = config, tok, uses_ema
       models.append(model)
@@ -148,7 +149,7 @@ def _restore(workdir, step: int | None, ema: bool):
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
                     batch_size: int, progress: bool = True, segment_over: int | None = None,
-                    long_beam: tuple[int, int] | None = None) -> list[str]:
+                    long_beam: tuple[int, int] | None = None, batch_tokens: int = 0) -> list[str]:
   """Translates many sentences, batched by similar length, in the input order; an empty (or
   blank) line translates to an empty line. A line of more than `segment_over` tokens (with
   <eos>) is translated sentence by sentence (sentences.py); None: no line is split.
@@ -168,7 +169,8 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
     groups = [([i for i, x in enumerate(is_long) if not x], options),
               ([i for i, x in enumerate(is_long) if x],
                dataclasses.replace(options, beam_size=beam_size))]
-  translations = _translate_each(translator, pieces, groups, batch_size, progress, numbers)
+  translations = _translate_each(translator, pieces, groups, batch_size, progress, numbers,
+                                 batch_tokens=batch_tokens)
   return translations if owners is None else sentences.join(translations, owners, len(lines))
 
 
@@ -178,34 +180,45 @@ def _token_lengths(translator: Translator, lines: list[str]) -> list[int]:
 
 
 def n_best_lines(translator: Translator, lines: list[str], n: int, options: DecodeOptions,
-                 batch_size: int, progress: bool = True) -> list[list[tuple[float, str]]]:
+                 batch_size: int, progress: bool = True,
+                 batch_tokens: int = 0) -> list[list[tuple[float, str]]]:
   """The `n` best beams (score, translation) of every line, best first, in the input order;
   each line is translated whole (no sentence splitting); a blank line gets an empty list."""
   translate = lambda texts, options, numbers: translator.n_best(texts, n, options, numbers)
   return _translate_each(translator, lines, [(range(len(lines)), options)], batch_size, progress,
-                         translate=translate, empty=[])
+                         translate=translate, empty=[], batch_tokens=batch_tokens)
 
 
 def _translate_each(translator: Translator, lines: list[str],
                     groups: list[tuple[Sequence[int], DecodeOptions]], batch_size: int,
                     progress: bool, numbers: list[int] | None = None, translate=None,
-                    empty="") -> list:
-  """Translates the lines of each group (their indices) with the group's options.
+                    empty="", batch_tokens: int = 0) -> list:
+  """Translates the lines of each group (their indices) with the group's options, in batches
+  of lines of similar token length: one batch shape per source width (a multiple of 8), so
+  one compilation each. A batch holds `batch_size` lines, or with `batch_tokens` as many as
+  fit that many decoder rows x source tokens (beams count as rows), at most `batch_size`.
   `numbers`: each line's number in warnings (default: its index + 1). `translate(texts,
   options, numbers)`: what a batch gives (default: Translator.translate); `empty`: the result
   of a blank line."""
   numbers = numbers or list(range(1, len(lines) + 1))
   translate = translate or translator.translate
+  lengths = [min(n, translator.max_src_len) for n in _token_lengths(translator, lines)]
   batches = []
   for indices, options in groups:
-    order = sorted((i for i in indices if lines[i].strip()), key=lambda i: len(lines[i]))
-    batches += [(order[i:i + batch_size], options) for i in range(0, len(order), batch_size)]
+    order = sorted((i for i in indices if lines[i].strip()), key=lambda i: lengths[i])
+    width_of = lambda i: -(-lengths[i] // 8) * 8
+    for width, members in itertools.groupby(order, key=width_of):
+      members = list(members)
+      rows = batch_size
+      if batch_tokens:
+        rows = max(1, min(batch_size, batch_tokens // (width * options.beam_size)))
+      batches += [(members[i:i + rows], options, rows) for i in range(0, len(members), rows)]
   out = [empty] * len(lines)
-  for batch, options in tqdm.tqdm(batches, desc="translating", unit="batch",
-                                  disable=not progress):
-    # Pad the batch to a full one so that every batch shares the compiled shape.
+  for batch, options, rows in tqdm.tqdm(batches, desc="translating", unit="batch",
+                                        disable=not progress):
+    # Pad the batch to a full one so that every batch of a width shares the compiled shape.
     texts = [lines[i] for i in batch]
-    pad = batch_size - len(batch)
+    pad = rows - len(batch)
     results = translate(texts + texts[:1] * pad, options,
                         [numbers[i] for i in batch] + [numbers[batch[0]]] * pad)
     for i, result in zip(batch, results):

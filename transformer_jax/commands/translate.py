@@ -91,7 +91,11 @@ def define_flags():
                        "source) of more than --long_over tokens; 0: --beam_size for all. Needs "
                        "beam search (--beam_size 2 or more). Default: the workdir's config.")
   flags.DEFINE_integer("long_over", None, "See --long_beam_size. Default: the workdir's config.")
-  flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input.")
+  flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input or --split (at "
+                       "most, with --batch_tokens).")
+  flags.DEFINE_integer("batch_tokens", 0, "Sentences per batch by a budget of decoder rows x "
+                       "source tokens (a beam's rows count), up to --batch_size; 0: "
+                       "--batch_size sentences in every batch.")
   flags.DEFINE_string("input", None, "File with one source sentence a line.")
   flags.DEFINE_string("output", None, "Where to write the translations of --input.")
   flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
@@ -119,6 +123,9 @@ def main(argv):
       raise InferenceError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
     if FLAGS.batch_size < 1:
       raise InferenceError(f"--batch_size must be at least 1, got {FLAGS.batch_size}")
+    if FLAGS.batch_tokens < 0:
+      raise InferenceError(f"--batch_tokens must be 0 (off) or positive, got "
+                           f"{FLAGS.batch_tokens}")
     if FLAGS.segment_over is not None and FLAGS.segment_over < -1:
       raise InferenceError(f"--segment_over must be -1 (split none), 0 (all) or positive, got "
                            f"{FLAGS.segment_over}")
@@ -141,8 +148,6 @@ def main(argv):
     if FLAGS.n_best and FLAGS.long_beam_size:
       raise InferenceError("--n_best decodes every source with --beam_size: drop "
                            "--long_beam_size")
-    if len(set(FLAGS.workdir)) != len(FLAGS.workdir):
-      raise InferenceError("a --workdir is given twice")
     if FLAGS.split:
       lines, references = split_pairs(FLAGS.workdir[0], FLAGS.split)
     else:
@@ -176,12 +181,14 @@ def main(argv):
     segment_over = None if FLAGS.segment_over < 0 else FLAGS.segment_over
     long_beam = (FLAGS.long_over, FLAGS.long_beam_size) if FLAGS.long_beam_size else None
     if FLAGS.n_best:
-      lists = n_best_lines(translator, lines, FLAGS.n_best, options, batch_size, progress=many)
+      lists = n_best_lines(translator, lines, FLAGS.n_best, options, batch_size, progress=many,
+                           batch_tokens=FLAGS.batch_tokens)
       text = format_n_best(lists)
       hypotheses = [entries[0][1] if entries else "" for entries in lists]
     else:
       hypotheses = translate_lines(translator, lines, options, batch_size, progress=many,
-                                   segment_over=segment_over, long_beam=long_beam)
+                                   segment_over=segment_over, long_beam=long_beam,
+                                   batch_tokens=FLAGS.batch_tokens)
       text = "".join(h + "\n" for h in hypotheses)
     if FLAGS.output:
       Path(FLAGS.output).write_text(text, encoding="utf-8")

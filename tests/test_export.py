@@ -1,0 +1,117 @@
+"""Exports of a trained smoke workdir: CTranslate2's greedy outputs equal ours; the jax.export
+decoders translate in a fresh process that imports no model code."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from transformer_jax import export, generation
+from transformer_jax.data.tokenizer import EOS, PAD
+from transformer_jax.generation import encode_sources, strip
+from transformer_jax.translator import Translator, split_pairs
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "transformer_jax", "export", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def validation(trained):
+  _, workdir = trained
+  sources, _ = split_pairs(str(workdir), "validation[:96]")
+  return sources
+
+
+def test_ctranslate2_greedy_outputs_equal_ours_on_the_validation_split(trained, validation,
+                                                                       tmp_path):
+  ctranslate2 = pytest.importorskip("ctranslate2")  # The `export` extra; the tests install it.
+  _, workdir = trained
+  result = _cli("--workdir", str(workdir), "--to", "ctranslate2", str(tmp_path / "ct2"))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert {"model.bin", "config.json", "shared_vocabulary.json", "tokenizer.model"} <= {
+      p.name for p in (tmp_path / "ct2").iterdir()}
+  assert not (tmp_path / "ct2.tmp").exists()
+
+  translator = Translator(workdir)
+  src = encode_sources(translator.tokenizers.src, validation, translator.max_src_len)
+  max_len = src.shape[1] + 10
+  ours = np.asarray(translator.generate_ids(translator.all_params, src, max_len, 1, 0.0))
+  engine = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=2)
+  pieces = translator.tokenizers.tgt.pieces()
+  results = engine.translate_batch([[pieces[i] for i in row if i > 0][:-1] for row in src],
+                                   beam_size=1, max_decoding_length=max_len)
+  theirs = [[pieces.index(p) for p in r.hypotheses[0]] for r in results]
+  assert theirs == [strip(row) for row in ours]
+  # The same function, not only the same argmax: CTranslate2's log-probabilities of our
+  # outputs (<eos> included) equal the model's.
+  scored = engine.score_batch([[pieces[i] for i in row if i > 0][:-1] for row in src],
+                              [[pieces[i] for i in strip(row)] for row in ours])
+  tgt = np.array([strip(row) + [EOS] + [PAD] * (max_len - len(strip(row))) for row in ours])
+  logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, tgt))
+  np.testing.assert_allclose([sum(r.log_probs) for r in scored], logp, rtol=1e-4, atol=1e-3)
+
+
+def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
+    trained, validation, tmp_path):
+  _, workdir = trained
+  out = tmp_path / "jax"
+  result = _cli("--workdir", str(workdir), "--to", "jax", "--beam_size", "3", "--alpha", "0.6",
+                str(out))
+  assert result.returncode == 0, result.stderr[-2000:]
+  manifest = json.loads((out / "export.json").read_text())
+  assert sorted({p["beam_size"] for p in manifest["programs"]}) == [1, 3]
+
+  # A fresh interpreter given only the exported directory and the runner module.
+  runner = tmp_path / "runner"
+  runner.mkdir()
+  (runner / "transformer_jax").mkdir()
+  shutil.copy(ROOT / "transformer_jax" / "exported.py", runner / "transformer_jax")
+  sentences = validation[:24]
+  script = (
+      "import json, sys\n"
+      "from transformer_jax.exported import ExportedTranslator\n"
+      f"t = ExportedTranslator({str(out)!r})\n"
+      f"lines = {sentences!r}\n"
+      "out = {'greedy': t.translate(lines), 'beam': t.translate(lines, beam=True),\n"
+      "       'modules': sorted(m for m in sys.modules if m.split('.')[0] in\n"
+      "                         ('flax', 'optax', 'orbax', 'transformer_jax'))}\n"
+      "print(json.dumps(out))\n")
+  done = subprocess.run([sys.executable, "-c", script], cwd=runner, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  got = json.loads(done.stdout.splitlines()[-1])
+  assert got["modules"] == ["transformer_jax", "transformer_jax.exported"]
+
+  translator = Translator(workdir)
+  width = export.source_widths(translator.max_src_len)[0]
+  src = encode_sources(translator.tokenizers.src, sentences, translator.max_src_len, width=width)
+  for key, beam in (("greedy", 1), ("beam", 3)):
+    tokens = np.asarray(translator.generate_ids(translator.all_params, src, width + 10, beam, 0.6))
+    assert got[key] == [translator.tokenizers.tgt.decode(strip(row)) for row in tokens], key
+
+
+def test_bad_exports_are_one_line_errors_that_write_nothing(trained, tmp_path):
+  _, workdir = trained
+  (tmp_path / "taken").mkdir()
+  cases = [
+      (["--to", "jax", str(tmp_path / "taken")], "exists; name a new directory"),
+      (["--to", "jax", "--quantization", "int8", str(tmp_path / "a")],
+       "--quantization applies to --to ctranslate2 only"),
+      (["--to", "jax", str(tmp_path / "b"), str(tmp_path / "c")], "name one output directory"),
+      (["--to", "jax", "--beam_size", "0", str(tmp_path / "d")], "--beam_size must be at least 1"),
+  ]
+  for args, message in cases:
+    result = _cli("--workdir", str(workdir), *args)
+    assert result.returncode == 1, (args, result.stderr[-1000:])
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, (args, last)
+    assert "Traceback" not in result.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+  missing = _cli("--workdir", str(tmp_path / "none"), "--to", "jax", str(tmp_path / "e"))
+  assert missing.returncode == 1 and "holds no config.json" in missing.stderr

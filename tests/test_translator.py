@@ -1,0 +1,117 @@
+"""n-best lists, ensembles and log-probabilities of a restored workdir (the trained smoke run)."""
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from transformer_jax import decode, generation
+from transformer_jax.data.tokenizer import EOS, PAD
+from transformer_jax.generation import DecodeOptions, InferenceError, encode_sources
+from transformer_jax.translator import Translator, split_pairs
+
+ALPHA = 0.6
+
+
+@pytest.fixture(scope="module")
+def sources(trained):
+  _, workdir = trained
+  return split_pairs(str(workdir), "validation[:32]")[0]
+
+
+def test_n_best_lists_are_sorted_and_rescored_by_the_model(trained, sources):
+  _, workdir = trained
+  translator = Translator(workdir)
+  options = DecodeOptions(beam_size=4, alpha=ALPHA)
+  lists = translator.n_best(sources, 4, options)
+  assert translator.translate(sources, options) == [entries[0][1] for entries in lists]
+  for entries in lists:
+    scores = [score for score, _ in entries]
+    assert len(entries) == 4 and scores == sorted(scores, reverse=True)
+    assert all(score > -1e8 for score in scores)  # Every slot is a real hypothesis.
+
+  # Each beam's score is its log-probability under the model (teacher-forced) divided by the
+  # length penalty: of its length with <eos> where it ended, of max_len where it did not.
+  src = encode_sources(translator.tokenizers.src, sources, translator.max_src_len)
+  max_len = src.shape[1] + options.max_len_margin
+  tokens, scores = map(np.asarray, translator.beam_ids(translator.all_params, src, max_len, 4,
+                                                       ALPHA))
+  assert [[s for s, _ in entries] for entries in lists] == scores.tolist()
+  rows = tokens.reshape(-1, max_len)  # [B*K, L]; <eos> then <pad> where a beam ended.
+  ended = (rows == EOS).any(-1)
+  assert ended.any() and not ended.all()  # Both kinds of score are checked.
+  logp = np.asarray(generation.sequence_logprob(translator.model, translator.params,
+                                                np.repeat(src, 4, axis=0), rows))
+  lengths = np.where(ended, (rows != PAD).sum(-1), max_len)
+  np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores.reshape(-1),
+                             rtol=2e-4, atol=2e-4)
+
+
+def test_n_best_asks_for_at_most_the_beam(trained, sources):
+  _, workdir = trained
+  with pytest.raises(InferenceError, match="between 1 and the beam size"):
+    Translator(workdir).n_best(sources[:2], 5, DecodeOptions(beam_size=4))
+
+
+def _translate(*args):
+  return subprocess.run([sys.executable, "-m", "transformer_jax", "translate", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_n_best_file_format(trained, sources, tmp_path):
+  _, workdir = trained
+  (tmp_path / "in.txt").write_text(f"{sources[0]}\n\n{sources[1]}\n")
+  result = _translate("--workdir", str(workdir), "--input", str(tmp_path / "in.txt"),
+                      "--output", str(tmp_path / "out.tsv"), "--beam_size", "3", "--n_best", "2")
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = [line.split("\t") for line in (tmp_path / "out.tsv").read_text().splitlines()]
+  assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("1", "2"), ("3", "1"), ("3", "2")]
+  assert all(len(r) == 4 for r in rows)
+  assert float(rows[0][2]) >= float(rows[1][2]) and float(rows[2][2]) >= float(rows[3][2])
+  best = Translator(workdir).translate([sources[0], sources[1]], DecodeOptions(beam_size=3,
+                                                                               alpha=1.0))
+  assert [rows[0][3], rows[2][3]] == best  # The smoke config decodes with alpha 1.0.
+
+  refused = _translate("--workdir", str(workdir), "--beam_size", "2", "--n_best", "3", "Go.")
+  assert refused.returncode == 1
+  assert refused.stderr.strip().splitlines()[-1] == (
+      "error: --n_best 3 is more than the beam size (2): raise --beam_size")
+
+
+def test_an_ensemble_of_a_workdir_with_itself_translates_as_the_workdir(trained, sources,
+                                                                        tmp_path):
+  _, workdir = trained
+  (tmp_path / "in.txt").write_text("\n".join(sources) + "\n")
+  outputs = {}
+  for name, workdirs in (("one", [workdir]), ("two", [workdir, workdir])):
+    for mode, flags in (("greedy", ["--beam_size", "1"]),
+                        ("n_best", ["--beam_size", "4", "--n_best", "4"])):
+      given = [a for w in workdirs for a in ("--workdir", str(w))]
+      out = tmp_path / f"{name}_{mode}.txt"
+      result = _translate(*given, "--input", str(tmp_path / "in.txt"), *flags, "--output",
+                          str(out))
+      assert result.returncode == 0, result.stderr[-2000:]
+      outputs[name, mode] = [line.split("\t") for line in out.read_text().splitlines()]
+  assert outputs["one", "greedy"] == outputs["two", "greedy"]
+  one, two = outputs["one", "n_best"], outputs["two", "n_best"]
+  assert len(one) == 4 * len(sources)
+  # The same hypotheses in the same order, with the same scores (the mean of equal
+  # log-probabilities, renormalized).
+  assert [(r[0], r[1], r[3]) for r in one] == [(r[0], r[1], r[3]) for r in two]
+  np.testing.assert_allclose([float(r[2]) for r in one], [float(r[2]) for r in two], atol=1e-4)
+  assert len({r[2] for r in one}) > len(sources)  # Scores differ: a real comparison.
+
+
+def test_an_ensemble_needs_one_vocabulary(trained, tmp_path):
+  _, workdir = trained
+  other = tmp_path / "other"
+  shutil.copytree(workdir, other)
+  (other / "tokenizer.model").unlink()
+  (other / "vocab.json").write_text('{"src": ["<pad>", "<bos>", "<eos>", "<unk>"], '
+                                    '"tgt": ["<pad>", "<bos>", "<eos>", "<unk>"]}')
+  with pytest.raises(InferenceError, match="has another vocabulary than .*: an ensemble needs "
+                     "the same tokenizer"):
+    Translator([workdir, other])
