@@ -94,6 +94,7 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
   names = {"transformer_jax.config": "ConfigError", "transformer_jax.workdir": "WorkdirError",
            "transformer_jax.generation": "InferenceError",
            "transformer_jax.average": "AverageError", "transformer_jax.aot": "AotError",
+           "transformer_jax.export": "ExportError",
            "transformer_jax.train_lib": "NonFiniteError", "transformer_jax.fs": "NotWritableError",
            "transformer_jax.checkpoint": "CheckpointDamagedError",
            "transformer_jax.data.tokenizer": "TokenizerError",

@@ -1,9 +1,11 @@
 """Model-agnostic autoregressive decoding: greedy, sampling and beam search.
 
 Everything here takes a `tokens_to_logits(tokens [B, 1], cache) -> (logits [B, V], cache)`
-callable and runs inside one `lax.while_loop` that stops once every row (or, in beam search, every
-sentence) is done, so a jitted decoder compiles once per (batch size, max length). The cache is any pytree whose
-arrays lead with the batch axis; 0-d leaves (a step counter) are shared by all rows.
+callable and runs inside one `lax.while_loop` that stops once every row (in beam search, every
+sentence) is done, so a jitted decoder compiles once per (batch size, max length). The cache is
+any pytree whose arrays lead with the batch axis; 0-d leaves (a step counter) are shared by all
+rows. State that is the same at every step for all of a sentence's beams (its encoding) belongs
+in the callable's closure, not in the cache: it is then neither carried nor reordered.
 
 Shapes: B batch, K beams, L max decode length, V vocabulary.
 """
