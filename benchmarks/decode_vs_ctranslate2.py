@@ -54,7 +54,7 @@ def main():
                       help="Length penalty; default: the workdir's decode.alpha.")
   parser.add_argument("--batch_size", type=int, default=64,
                       help="Ours: sentences per batch (at most, with --batch_tokens).")
-  parser.add_argument("--batch_tokens", type=int, default=0,
+  parser.add_argument("--batch_tokens", type=int, default=1024,
                       help="Ours: decoder rows x source tokens per batch (0: --batch_size).")
   parser.add_argument("--ct2_batch", type=int, default=64,
                       help="CTranslate2's max_batch_size (examples).")
