@@ -56,8 +56,11 @@ def main():
                       help="Ours: sentences per batch (at most, with --batch_tokens).")
   parser.add_argument("--batch_tokens", type=int, default=1024,
                       help="Ours: decoder rows x source tokens per batch (0: --batch_size).")
+  parser.add_argument("--ct2_batch_tokens", type=int, default=8192,
+                      help="CTranslate2's max_batch_size in tokens (its fastest setting of those "
+                           "tried here); 0: --ct2_batch examples.")
   parser.add_argument("--ct2_batch", type=int, default=64,
-                      help="CTranslate2's max_batch_size (examples).")
+                      help="CTranslate2's max_batch_size in examples, with --ct2_batch_tokens 0.")
   parser.add_argument("--modes", default="greedy,beam")
   parser.add_argument("--engines", default="ours,ct2-float32,ct2-int8")
   parser.add_argument("--rounds", type=int, default=2)
@@ -112,9 +115,11 @@ def main():
         kwargs = {"batch_tokens": args.batch_tokens} if args.batch_tokens else {}
         return translate_lines(translator, [lines[i] for i in which], options, args.batch_size,
                                progress=False, **kwargs)
+      batching = (dict(max_batch_size=args.ct2_batch_tokens, batch_type="tokens")
+                  if args.ct2_batch_tokens else dict(max_batch_size=args.ct2_batch))
       results = engines[name].translate_batch(
-          [sources[i] for i in which], max_batch_size=args.ct2_batch, beam_size=beam,
-          length_penalty=alpha, max_input_length=max_len, max_decoding_length=max_len + 10)
+          [sources[i] for i in which], beam_size=beam, length_penalty=alpha,
+          max_input_length=max_len, max_decoding_length=max_len + 10, **batching)
       return [sp._sp.decode_pieces(r.hypotheses[0]) for r in results]
 
     rows = []
@@ -150,7 +155,11 @@ def main():
   header = (f"{cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; jax "
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
-            f"alpha {alpha}; {time.strftime('%Y-%m-%d')}")
+            f"alpha {alpha}; ours: batches of {args.batch_size} sentences, {args.batch_tokens} tokens; "
+            f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"
+                                           if args.ct2_batch_tokens else
+                                           f"{args.ct2_batch} sentences")
+            + f"; {time.strftime('%Y-%m-%d')}")
   print(header)
   print(f"{'mode':<7} {'engine':<13} {'sent/s':>8} {'tok/s':>8} {'median s':>9} {'warm-up s':>9} "
         f"{'BLEU':>6} {'= ours':>7} {'vs ct2-f32':>10}")
