@@ -39,6 +39,8 @@ class ExportedTranslator:
   def translate(self, sentences: list[str], beam: bool = False) -> list[str]:
     """Greedy (or the exported beam search's) translations; a source longer than the widest
     program is truncated to it (ending with <eos>)."""
+    if not sentences:
+      return []
     eos, pad = self.manifest["eos"], self.manifest["pad"]
     rows = [ids + [eos] for ids in self.tokenizer.encode(list(sentences))]
     widest = self.widths[-1]

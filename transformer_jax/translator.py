@@ -1,6 +1,6 @@
 """A trained model restored from a workdir (config, tokenizer, the newest checkpoint that
-verifies), or an ensemble of several, with jitted decoders: best translations, n-best lists,
-log-probabilities of given outputs.
+verifies), or an ensemble of several, with jitted decoders: best translations and n-best
+lists.
 
 Only the parameters are read from the checkpoint (not the optimizer state), onto whatever
 devices this machine has.
@@ -22,9 +22,8 @@ import tqdm
 from absl import logging
 
 from transformer_jax import errors, sentences, sharding
-from transformer_jax.data.tokenizer import EOS, PAD
 from transformer_jax.generation import (DecodeOptions, InferenceError, beams, encode_sources,
-                                        generate, sequence_logprob, strip)
+                                        generate, strip)
 from transformer_jax.workdir import Workdir
 
 
@@ -87,10 +86,6 @@ class Translator:
     best first."""
     return beams(self.models, params, src, max_len, beam_size, alpha)
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def _logprob(self, params, src, tgt):
-    return sequence_logprob(self.model, params, src, tgt)
-
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
                 numbers: list[int] | None = None) -> list[str]:
     """`numbers`: the sentences' line numbers, for warnings (default: 1, 2, ...)."""
@@ -113,14 +108,6 @@ class Translator:
                                                    options.beam_size, options.alpha))
     return [[(float(scores[i, j]), self.tokenizers.tgt.decode(strip(tokens[i, j])))
              for j in range(n)] for i in range(len(sentences))]
-
-  def logprob(self, sentences: list[str], outputs: list[list[int]]) -> np.ndarray:
-    """The (first member's) log-probability of each output (ids without <eos>) given its
-    source, teacher-forced: [B] float."""
-    src = encode_sources(self.tokenizers.src, sentences, self.max_src_len)
-    width = max(len(o) for o in outputs) + 1
-    tgt = np.array([list(o) + [EOS] + [PAD] * (width - len(o) - 1) for o in outputs], np.int32)
-    return np.asarray(self._logprob(self.params, src, tgt))
 
 
 def _restore(workdir, step: int | None, ema: bool):
