@@ -12,7 +12,9 @@ CPU thread pool and CTranslate2's intra_threads). A first pass of each engine an
 A warm-up of each engine and mode translates one source of every source width (a multiple of
 8 tokens): ours compiles its decoder for each batch shape there, and that time is reported as
 compile time. Then `--rounds` timed passes over the whole file alternate between the engines
-(A B C A B C), so that a busy machine slows all alike. Reported: sentences/s and target tokens/s (SentencePiece pieces of the
+(A B C A B C), so that a busy machine slows all alike. CTranslate2 batches by
+`--ct2_batch_tokens` (8,192: its fastest of the settings tried, docs/translating.md), ours by
+translate's defaults. Reported: sentences/s and target tokens/s (SentencePiece pieces of the
 outputs) of the median pass, BLEU of the outputs (sacreBLEU against --reference), and how many
 outputs equal ours. Beam search: each engine's own length normalization at --alpha (ours GNMT's
 ((5 + n) / 6) ** alpha, CTranslate2's n ** alpha).
@@ -73,6 +75,7 @@ def main():
 
   import jax
   import sacrebleu
+  import sentencepiece as spm
 
   from transformer_jax.commands.translate import read_lines
   from transformer_jax.generation import DecodeOptions
@@ -85,8 +88,8 @@ def main():
     references = references and references[:args.limit]
   translator = Translator(args.workdir)
   alpha = translator.config.decode.alpha if args.alpha is None else args.alpha
-  sp = translator.tokenizers.src
-  sources = [sp._sp.encode(line, out_type=str) for line in lines]
+  sp = spm.SentencePieceProcessor(model_proto=translator.tokenizers.src.model_proto)
+  sources = [sp.encode(line, out_type=str) for line in lines]
   max_len = translator.max_src_len
 
   # One source of each width (tokens with <eos>, rounded up to 8): the warm-up.
@@ -120,7 +123,7 @@ def main():
       results = engines[name].translate_batch(
           [sources[i] for i in which], beam_size=beam, length_penalty=alpha,
           max_input_length=max_len, max_decoding_length=max_len + 10, **batching)
-      return [sp._sp.decode_pieces(r.hypotheses[0]) for r in results]
+      return [sp.decode_pieces(r.hypotheses[0]) for r in results]
 
     rows = []
     for mode in args.modes.split(","):
@@ -155,7 +158,8 @@ def main():
   header = (f"{cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; jax "
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
-            f"alpha {alpha}; ours: batches of {args.batch_size} sentences, {args.batch_tokens} tokens; "
+            f"alpha {alpha}; ours: batches of {args.batch_size} sentences, {args.batch_tokens} "
+            f"tokens; "
             f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"
                                            if args.ct2_batch_tokens else
                                            f"{args.ct2_batch} sentences")
