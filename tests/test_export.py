@@ -44,17 +44,23 @@ def test_ctranslate2_greedy_outputs_equal_ours_on_the_validation_split(trained, 
   ours = np.asarray(translator.generate_ids(translator.all_params, src, max_len, 1, 0.0))
   engine = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=2)
   pieces = translator.tokenizers.tgt.pieces()
-  results = engine.translate_batch([[pieces[i] for i in row if i > 0][:-1] for row in src],
-                                   beam_size=1, max_decoding_length=max_len)
+  sources = [[pieces[i] for i in row if i > 0][:-1] for row in src]  # Without <eos>.
+  results = engine.translate_batch(sources, beam_size=1, max_decoding_length=max_len)
   theirs = [[pieces.index(p) for p in r.hypotheses[0]] for r in results]
   assert theirs == [strip(row) for row in ours]
   # The same function, not only the same argmax: CTranslate2's log-probabilities of our
   # outputs (<eos> included) equal the model's.
-  scored = engine.score_batch([[pieces[i] for i in row if i > 0][:-1] for row in src],
-                              [[pieces[i] for i in strip(row)] for row in ours])
+  scored = engine.score_batch(sources, [[pieces[i] for i in strip(row)] for row in ours])
   tgt = np.array([strip(row) + [EOS] + [PAD] * (max_len - len(strip(row))) for row in ours])
   logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, tgt))
   np.testing.assert_allclose([sum(r.log_probs) for r in scored], logp, rtol=1e-4, atol=1e-3)
+
+  # Stored as int8: loads and translates every source (int8 rounding may change outputs).
+  result = _cli("--workdir", str(workdir), "--to", "ctranslate2", "--quantization", "int8",
+                str(tmp_path / "ct2_int8"))
+  assert result.returncode == 0, result.stderr[-2000:]
+  int8 = ctranslate2.Translator(str(tmp_path / "ct2_int8"), device="cpu", compute_type="int8")
+  assert len(int8.translate_batch(sources, beam_size=1, max_decoding_length=max_len)) == len(src)
 
 
 def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
@@ -105,6 +111,8 @@ def test_bad_exports_are_one_line_errors_that_write_nothing(trained, tmp_path):
        "--quantization applies to --to ctranslate2 only"),
       (["--to", "jax", str(tmp_path / "b"), str(tmp_path / "c")], "name one output directory"),
       (["--to", "jax", "--beam_size", "0", str(tmp_path / "d")], "--beam_size must be at least 1"),
+      (["--to", "ctranslate2", "--quantization", "int3", str(tmp_path / "f")],
+       "--quantization 'int3': choose one of int8,"),
   ]
   for args, message in cases:
     result = _cli("--workdir", str(workdir), *args)

@@ -36,6 +36,9 @@ from transformer_jax.model import sinusoidal_positions
 from transformer_jax.translator import Translator
 
 FORMATS = ("ctranslate2", "jax")
+# The weight types CTranslate2's converter stores (`--quantization`).
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
+                 "bfloat16", "float32")
 JAX_MANIFEST = "export.json"
 JAX_PARAMS = "params.npz"
 
@@ -55,6 +58,8 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
     raise ExportError(f"--to {to!r}: choose one of {', '.join(FORMATS)}")
   if quantization and to != "ctranslate2":
     raise ExportError("--quantization applies to --to ctranslate2 only")
+  if quantization and quantization not in QUANTIZATIONS:
+    raise ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
   if output.exists():
     raise ExportError(f"{output} exists; name a new directory for the exported model")
   fs.check_writable(output, "the output")
@@ -94,7 +99,8 @@ def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None)
     raise ExportError("--to ctranslate2 needs CTranslate2: pip install 'transformer_jax[export]'"
                       ) from None
   cfg = translator.model.cfg
-  params = jax.tree.map(lambda x: np.asarray(x, np.float32), translator.params)
+  # Writable copies: CTranslate2 quantizes in place.
+  params = jax.tree.map(lambda x: np.array(x, np.float32), translator.params)
   spec = transformer_spec.TransformerSpec.from_config(
       (cfg.num_encoder_layers, cfg.num_decoder_layers), cfg.num_heads, pre_norm=cfg.pre_ln)
   spec.config.layer_norm_epsilon = 1e-6  # flax's LayerNorm.
@@ -106,7 +112,7 @@ def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None)
   src_table = params["src_embed"]["embedding"]  # [V, D]
   tgt_table = src_table if cfg.share_embeddings else params["tgt_embed"]["embedding"]
   # Positions 0 .. 4 x max_len: the longest output translate allows.
-  positions = np.asarray(sinusoidal_positions(
+  positions = np.array(sinusoidal_positions(
       jnp.arange(4 * translator.max_src_len + 1)[None], cfg.d_model))[0]  # [P, D]
   spec.encoder.embeddings[0].weight = src_table
   spec.decoder.embeddings.weight = tgt_table
