@@ -87,8 +87,8 @@ def beams(model, params, src, max_len: int, beam_size: int, alpha: float):
 
 
 def sequence_logprob(model: Transformer, params, src, tgt):
-  """Teacher-forced log-probabilities of whole outputs: src [B, S], tgt [B, T] output ids
-  ending with <eos>, then <pad> -> [B] float32, the sum over the tokens up to <eos>."""
+  """Teacher-forced log-probabilities of outputs: src [B, S], tgt [B, T] output ids (with
+  <eos> where an output ended), then <pad> -> [B] float32, the sum over the non-pad tokens."""
   tgt_in = jnp.concatenate([jnp.full_like(tgt[:, :1], BOS), tgt[:, :-1]], axis=1)
   logits = model.apply({"params": params}, src, tgt_in)  # [B, T, V]
   logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tgt[..., None], axis=-1)[..., 0]
