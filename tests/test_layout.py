@@ -95,6 +95,8 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
            "transformer_jax.generation": "InferenceError",
            "transformer_jax.average": "AverageError", "transformer_jax.aot": "AotError",
            "transformer_jax.export": "ExportError",
+           "transformer_jax.finetune": "InitFromError",
+           "transformer_jax.commands.serve": "ServeError",
            "transformer_jax.train_lib": "NonFiniteError", "transformer_jax.fs": "NotWritableError",
            "transformer_jax.checkpoint": "CheckpointDamagedError",
            "transformer_jax.data.tokenizer": "TokenizerError",

@@ -37,8 +37,7 @@ def test_n_best_lists_are_sorted_and_rescored_by_the_model(trained, sources):
   # length penalty: of its length with <eos> where it ended, of max_len where it did not.
   src = encode_sources(translator.tokenizers.src, sources, translator.max_src_len)
   max_len = src.shape[1] + options.max_len_margin
-  tokens, scores = map(np.asarray, translator.beam_ids(translator.all_params, src, max_len, 4,
-                                                       ALPHA))
+  tokens, scores = translator.decode(src, options)
   assert [[s for s, _ in entries] for entries in lists] == scores.tolist()
   rows = tokens.reshape(-1, max_len)  # [B*K, L]; <eos> then <pad> where a beam ended.
   ended = (rows == EOS).any(-1)
@@ -47,6 +46,22 @@ def test_n_best_lists_are_sorted_and_rescored_by_the_model(trained, sources):
                                                 np.repeat(src, 4, axis=0), rows))
   lengths = np.where(ended, (rows != PAD).sum(-1), max_len)
   np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores.reshape(-1),
+                             rtol=2e-4, atol=2e-4)
+
+
+def test_greedy_scores_are_the_models_log_probabilities_over_the_length_penalty(trained,
+                                                                              sources):
+  _, workdir = trained
+  translator = Translator(workdir)
+  src = encode_sources(translator.tokenizers.src, sources, translator.max_src_len)
+  tokens, scores = translator.decode(src, DecodeOptions(beam_size=1, alpha=ALPHA))
+  assert tokens.shape[1] == 1 and scores.shape == (len(sources), 1)
+  assert translator.translate(sources, DecodeOptions(beam_size=1)) == [
+      translator.tokenizers.tgt.decode(generation.strip(row)) for row in tokens[:, 0]]
+  rows = tokens[:, 0]  # The 20-step smoke model's greedy outputs run to max_len.
+  logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, rows))
+  lengths = (rows != PAD).sum(-1)  # With <eos> where an output ended; max_len where not.
+  np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores[:, 0],
                              rtol=2e-4, atol=2e-4)
 
 

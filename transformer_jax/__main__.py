@@ -6,6 +6,7 @@
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
   export      a workdir's model as a CTranslate2 model or serialized jax decoders
+  serve       an HTTP translation server that batches concurrent requests
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = ("train", "translate", "average", "visualize", "aot", "export")
+COMMANDS = ("train", "translate", "average", "visualize", "aot", "export", "serve")
 
 
 def main() -> None:

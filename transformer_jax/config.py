@@ -227,6 +227,9 @@ class RunConfig(_Section):
   # A train step compiled ahead of time for this config and target (python -m transformer_jax
   # aot --save_train_step FILE), run instead of compiling it; empty: compile.
   compiled_train_step: str = ""
+  # Fine-tuning: start at step 0, with a fresh optimizer state, from the parameters of this
+  # trained workdir's newest checkpoint, with its tokenizer (finetune.py); empty: from scratch.
+  init_from: str = ""
 
   def __post_init__(self):
     object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))  # A JSON list, say.

@@ -74,23 +74,36 @@ def sample(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: in
            specials: Specials, sampler=Greedy(), rng: jax.Array | None = None) -> jax.Array:
   """Generates [B, max_len] tokens; after <eos> a row emits <pad>. The loop stops once every
   row has ended (or at max_len)."""
+  return sample_scored(tokens_to_logits, cache, batch_size, max_len, specials, sampler, rng)[0]
+
+
+def sample_scored(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
+                  specials: Specials, sampler=Greedy(),
+                  rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """`sample`, with each row's log-probability under the model: (tokens [B, max_len],
+  log-probabilities [B], the sum over the tokens up to and with <eos>)."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
 
   def cond(state):
-    t, _, _, done, _ = state
+    t, _, _, done, _, _ = state
     return (t < max_len) & ~jnp.all(done)
 
   def body(state):
-    t, cache, last, done, out = state
+    t, cache, last, done, out, logprob = state
     logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
     token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), token[:, None],
+                               axis=-1)[:, 0]  # [B]
+    logprob = logprob + jnp.where(done, 0.0, logp)
     token = jnp.where(done, specials.pad, token)
     out = lax.dynamic_update_slice(out, token[:, None], (0, t))  # [B, L]
-    return t + 1, cache, token, done | (token == specials.eos), out
+    return t + 1, cache, token, done | (token == specials.eos), out, logprob
 
   state = (jnp.array(0), cache, jnp.full((batch_size,), specials.bos, jnp.int32),
-           jnp.zeros((batch_size,), bool), jnp.full((batch_size, max_len), specials.pad, jnp.int32))
-  return lax.while_loop(cond, body, state)[-1]
+           jnp.zeros((batch_size,), bool), jnp.full((batch_size, max_len), specials.pad, jnp.int32),
+           jnp.zeros((batch_size,), jnp.float32))
+  _, _, _, _, tokens, logprob = lax.while_loop(cond, body, state)
+  return tokens, logprob
 
 
 def length_penalty(length, alpha: float):

@@ -86,6 +86,19 @@ def beams(model, params, src, max_len: int, beam_size: int, alpha: float):
   return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha)
 
 
+def scored(model, params, src, max_len: int, beam_size: int, alpha):
+  """src [B, S] -> (tokens [B, K, max_len], scores [B, K]), K = beam_size: the beams best first
+  (decode.beam_search), or with K = 1 the greedy output. A score is the log-probability /
+  GNMT length penalty of the output's length with <eos>, for greedy outputs too. `alpha` may
+  be traced (one compilation serves every alpha)."""
+  if beam_size > 1:
+    return beams(model, params, src, max_len, beam_size, alpha)
+  step, cache = decoder(model, params, src, max_len)
+  tokens, logprob = decode.sample_scored(step, cache, src.shape[0], max_len, SPECIALS)
+  length = jnp.sum(tokens != PAD, axis=-1)  # [B]: the tokens with <eos>
+  return tokens[:, None], (logprob / decode.length_penalty(length, alpha))[:, None]
+
+
 def sequence_logprob(model: Transformer, params, src, tgt):
   """Teacher-forced log-probabilities of outputs: src [B, S], tgt [B, T] output ids (with
   <eos> where an output ended), then <pad> -> [B] float32, the sum over the non-pad tokens."""

@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from transformer_jax import (aot, config as config_lib, flops as flops_lib, fs,
+from transformer_jax import (aot, config as config_lib, finetune, flops as flops_lib, fs,
                              preemption as preemption_lib, sections, sharding, train_lib, writers)
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
@@ -32,11 +32,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   run_dir.check_resumable(cfg)
   workdir = run_dir.path
   fs.check_writable(workdir, "--workdir")
+  # Fine-tuning reads the other run only while this one has no checkpoint of its own.
+  source = (finetune.check_source(cfg, run.init_from)
+            if run.init_from and not run_dir.checkpoint_steps() else None)
   primary, hosts = jax.process_index() == 0, jax.process_count()
 
   data = pipeline.prepare(
       data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, is_first_host=primary,
-      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
+      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"),
+      tokenizer_from=source and source.path)
   workdir.mkdir(parents=True, exist_ok=True)
   if primary:  # One writer.
     run_dir.write_config(cfg)
@@ -72,6 +76,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
     start, state, data_state = restored
     logging.info("Resuming from the checkpoint of step %d in %s", start, ckpt.directory)
     stream.set_state(data_state)
+  elif source:
+    start = 0
+    state = finetune.start_from(state, source, model, mesh, state_shardings)
   else:
     start = 0
     logging.info("No checkpoint in %s: starting from scratch", ckpt.directory)

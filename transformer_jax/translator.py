@@ -22,8 +22,8 @@ import tqdm
 from absl import logging
 
 from transformer_jax import errors, sentences, sharding
-from transformer_jax.generation import (DecodeOptions, InferenceError, beams, encode_sources,
-                                        generate, strip)
+from transformer_jax.generation import (DecodeOptions, InferenceError, encode_sources, generate,
+                                        scored, strip)
 from transformer_jax.workdir import Workdir
 
 
@@ -80,19 +80,25 @@ class Translator:
     shape and options."""
     return generate(self.models, params, src, max_len, beam_size, alpha)
 
-  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-  def beam_ids(self, params, src, max_len, beam_size, alpha):
-    """params: `all_params`; src [B, S] -> (tokens [B, K, max_len], scores [B, K]), every beam
-    best first."""
-    return beams(self.models, params, src, max_len, beam_size, alpha)
+  @functools.partial(jax.jit, static_argnums=(0, 3, 4))
+  def decode_ids(self, params, src, max_len, beam_size, alpha):
+    """params: `all_params`; src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam
+    best first (K = beam_size; greedy: K = 1), scores as generation.scored. Compiled once per
+    shape and beam size; `alpha` is traced (pass it as an array), so any alpha reuses it."""
+    return scored(self.models, params, src, max_len, beam_size, alpha)
+
+  def decode(self, src: np.ndarray, options: DecodeOptions) -> tuple[np.ndarray, np.ndarray]:
+    """src [B, S] -> (tokens [B, K, L], scores [B, K]) as numpy (decode_ids with `options`)."""
+    max_len = options.max_len or src.shape[1] + options.max_len_margin
+    out = self.decode_ids(self.all_params, src, max_len, options.beam_size,
+                          np.float32(options.alpha))
+    return tuple(map(np.asarray, out))
 
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
                 numbers: list[int] | None = None) -> list[str]:
     """`numbers`: the sentences' line numbers, for warnings (default: 1, 2, ...)."""
     src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
-    max_len = options.max_len or src.shape[1] + options.max_len_margin
-    tokens = np.asarray(self.generate_ids(self.all_params, src, max_len, options.beam_size,
-                                          options.alpha))
+    tokens = self.decode(src, options)[0][:, 0]
     return [self.tokenizers.tgt.decode(strip(row)) for row in tokens]
 
   def n_best(self, sentences: list[str], n: int, options: DecodeOptions,
@@ -103,9 +109,7 @@ class Translator:
       raise InferenceError(f"--n_best {n} must be between 1 and the beam size "
                            f"({options.beam_size})")
     src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
-    max_len = options.max_len or src.shape[1] + options.max_len_margin
-    tokens, scores = map(np.asarray, self.beam_ids(self.all_params, src, max_len,
-                                                   options.beam_size, options.alpha))
+    tokens, scores = self.decode(src, options)
     return [[(float(scores[i, j]), self.tokenizers.tgt.decode(strip(tokens[i, j])))
              for j in range(n)] for i in range(len(sentences))]
 

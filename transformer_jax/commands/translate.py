@@ -101,6 +101,9 @@ def define_flags():
   flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
   flags.DEFINE_string("split", None, "Translate this split of the workdir's dataset (e.g. "
                       "validation) and print sacreBLEU against its targets.")
+  flags.DEFINE_string("split_from", None, "The workdir whose dataset --split is read from "
+                      "(default: the first --workdir): a fine-tuned model scored on the data of "
+                      "the run it started from, say.")
   flags.DEFINE_integer("n_best", 0, "Write the N best beams of every source with their scores "
                        "(SOURCE_LINE<TAB>RANK<TAB>SCORE<TAB>TRANSLATION, docs/translating.md) "
                        "instead of the best translation; needs --beam_size >= N. Sources are "
@@ -117,6 +120,8 @@ def main(argv):
       raise InferenceError("--workdir is required")
     if sum(map(bool, (sentences, FLAGS.input, FLAGS.split))) != 1:
       raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
+    if FLAGS.split_from and not FLAGS.split:
+      raise InferenceError("--split_from names where --split is read from: give --split too")
     if FLAGS.split and FLAGS.reference:
       raise InferenceError("--split scores against the split's own targets: drop --reference")
     if FLAGS.beam_size is not None and FLAGS.beam_size < 1:
@@ -149,7 +154,7 @@ def main(argv):
       raise InferenceError("--n_best decodes every source with --beam_size: drop "
                            "--long_beam_size")
     if FLAGS.split:
-      lines, references = split_pairs(FLAGS.workdir[0], FLAGS.split)
+      lines, references = split_pairs(FLAGS.split_from or FLAGS.workdir[0], FLAGS.split)
     else:
       lines = read_lines(FLAGS.input) if FLAGS.input else sentences
       references = read_lines(FLAGS.reference) if FLAGS.reference else None

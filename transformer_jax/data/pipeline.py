@@ -56,12 +56,19 @@ def _split_dir(split: str) -> str:
   return re.sub(r"[^\w.-]+", "_", split) + "-" + hashlib.sha1(split.encode()).hexdigest()[:6]
 
 
-def tokenizers_for(cfg: DataConfig, text, workdir: Path) -> Tokenizers:
-  """The workdir's tokenizers; else the dataset cache's (copied in); else fitted on a sample of
-  at most `tokenizer_sample` training pairs spread evenly over the split, and saved in both."""
+def tokenizers_for(cfg: DataConfig, text, workdir: Path,
+                   tokenizer_from: Path | None = None) -> Tokenizers:
+  """The workdir's tokenizers; else those of `tokenizer_from` (the run a fine-tuning run starts
+  from), copied in; else the dataset cache's (copied in); else fitted on a sample of at most
+  `tokenizer_sample` training pairs spread evenly over the split, and saved in both."""
   tokenizers = Tokenizers.load(workdir)
   if tokenizers is not None:
     logging.info("Reusing the tokenizer saved in %s", workdir)
+    return tokenizers
+  if tokenizer_from is not None:
+    tokenizers = Tokenizers.load(tokenizer_from)
+    logging.info("Using the tokenizer of %s (the run this one starts from)", tokenizer_from)
+    tokenizers.save(workdir)
     return tokenizers
   # Keyed by what it is fitted on: the source (cache_root), the split, the sample, the kind.
   shared = cache_root(cfg) / (f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
@@ -92,8 +99,10 @@ def _tokenizer_files(workdir: Path) -> list[Path]:
 
 
 def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0,
-            is_first_host: bool = True, wait_for_first_host=lambda: None) -> Prepared:
-  """Prepares the dataset, tokenizer and token caches; returns them opened.
+            is_first_host: bool = True, wait_for_first_host=lambda: None,
+            tokenizer_from: Path | None = None) -> Prepared:
+  """Prepares the dataset, tokenizer and token caches; returns them opened. `tokenizer_from`:
+  a workdir whose tokenizer a new run takes (fine-tuning).
 
   With several hosts, the first does the work and the others read the result once
   `wait_for_first_host()` returns (workdir and cache on a shared filesystem).
@@ -106,7 +115,7 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
         "~/tensorflow_datasets"), cfg.data_dir or None)
     texts = {split: sources.TextPairs(builder, cfg.dataset, split)
              for split in (cfg.train_split, cfg.eval_split)}
-    tokenizers = (tokenizers_for(cfg, texts[cfg.train_split], workdir) if build
+    tokenizers = (tokenizers_for(cfg, texts[cfg.train_split], workdir, tokenizer_from) if build
                   else Tokenizers.load(workdir))
     fp = token_cache.fingerprint(_tokenizer_files(workdir))
     caches = {}

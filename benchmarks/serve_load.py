@@ -1,0 +1,244 @@
+"""Load test of the translation server on localhost: concurrent clients, throughput, latency.
+
+  python benchmarks/serve_load.py --workdir runs/fra_eng --clients 16 --requests 20 \
+      --json serve_load.json
+
+For each mode it starts `python -m transformer_jax serve` on a free port, waits for /ready (the
+start-up compilation, timed), then runs `--clients` threads, each sending `--requests` requests
+of 1 to `--max_sentences` validation sources (the workdir's own split, the same requests in
+every mode) over one keep-alive connection, and stops the server with SIGTERM (its exit status
+is checked). Modes:
+  batching    the server as it ships: concurrent requests decoded together
+  nobatching  `serve --nobatching`: one request at a time
+  full_queue  `serve --max_queue Q` (a small Q): requests refused with 503 are sent again after
+              their Retry-After (scaled down by --retry_scale); every answer is checked
+Every answer is compared with the batching mode's answer to the same sentence: the table
+counts answers lost (never given), duplicated (given twice) and different. Sentences/s counts
+the answered sentences over the wall time of the clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+
+def post(connection: http.client.HTTPConnection, body: dict | bytes,
+         path: str = "/translate") -> tuple[int, dict, dict]:
+  """(status, JSON body, headers) of one POST on a kept-alive connection."""
+  data = body if isinstance(body, bytes) else json.dumps(body).encode()
+  connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+  response = connection.getresponse()
+  return response.status, json.loads(response.read() or b"{}"), dict(response.getheaders())
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  try:
+    connection.request("GET", path)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+  finally:
+    connection.close()
+
+
+def start_server(workdir: str, port: int, *flags: str, log=None) -> subprocess.Popen:
+  """`python -m transformer_jax serve` in a subprocess (stdout and stderr to `log`)."""
+  command = [sys.executable, "-m", "transformer_jax", "serve", f"--workdir={workdir}",
+             f"--port={port}", *flags]
+  return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def wait_ready(server: subprocess.Popen, port: int, timeout: float = 900) -> float:
+  """Seconds until GET /ready answers 200; raises if the server exits or the time runs out."""
+  start = time.monotonic()
+  while time.monotonic() - start < timeout:
+    if server.poll() is not None:
+      raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
+    try:
+      if get(port, "/ready")[0] == 200:
+        return time.monotonic() - start
+    except (ConnectionError, OSError):
+      pass
+    time.sleep(0.2)
+  raise RuntimeError(f"the server was not ready within {timeout} s")
+
+
+def stop_server(server: subprocess.Popen, timeout: float = 120) -> int:
+  """SIGTERM, then the exit status."""
+  server.send_signal(signal.SIGTERM)
+  return server.wait(timeout)
+
+
+def requests_for(sources: list[str], clients: int, per_client: int, max_sentences: int,
+                 seed: int = 0) -> list[list[list[str]]]:
+  """Each client's requests: lists of 1 to max_sentences sources, drawn without replacement
+  while the sources last."""
+  rng = random.Random(seed)
+  pool = list(sources)
+  rng.shuffle(pool)
+  out, at = [], 0
+  for _ in range(clients):
+    mine = []
+    for _ in range(per_client):
+      n = rng.randint(1, max_sentences)
+      mine.append([pool[(at + i) % len(pool)] for i in range(n)])
+      at += n
+    out.append(mine)
+  return out
+
+
+def run_clients(port: int, plan: list[list[list[str]]], retry_scale: float = 1.0,
+                deadline: float = 600) -> dict:
+  """Sends every client's requests from its own thread. Returns the answers ({(client, request):
+  [translations]}), answer counts, latencies of answered requests, refusals and wall time."""
+  answers, counts, latencies, refused, errors = {}, collections.Counter(), [], [0], []
+  lock = threading.Lock()
+  stop_at = time.monotonic() + deadline
+
+  def client(c: int) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=deadline)
+    try:
+      for r, sentences in enumerate(plan[c]):
+        while time.monotonic() < stop_at:
+          start = time.monotonic()
+          status, body, headers = post(connection, {"sentences": sentences, "id": [c, r]})
+          if status == 503:
+            with lock:
+              refused[0] += 1
+            time.sleep(float(headers.get("retry-after", 1)) * retry_scale)
+            continue
+          with lock:
+            if status != 200:
+              errors.append((c, r, status, body))
+            else:
+              latencies.append(time.monotonic() - start)
+              key = tuple(body["id"])
+              counts[key] += 1
+              answers[key] = [t["text"] for t in body["translations"]]
+          break
+    except Exception as e:  # noqa: BLE001 -- reported in the result, not a crash of the run.
+      with lock:
+        errors.append((c, None, type(e).__name__, str(e)))
+    finally:
+      connection.close()
+
+  start = time.monotonic()
+  threads = [threading.Thread(target=client, args=(c,)) for c in range(len(plan))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return {"answers": answers, "counts": counts, "latencies": latencies, "refused": refused[0],
+          "errors": errors, "wall": time.monotonic() - start}
+
+
+def percentile(values: list[float], q: float) -> float:
+  ordered = sorted(values)
+  return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--split", default="validation", help="The workdir dataset's split the "
+                      "sentences come from.")
+  parser.add_argument("--clients", type=int, default=16)
+  parser.add_argument("--requests", type=int, default=20, help="Requests per client.")
+  parser.add_argument("--max_sentences", type=int, default=8, help="Sentences per request: "
+                      "1 to this many.")
+  parser.add_argument("--modes", default="batching,nobatching,full_queue")
+  parser.add_argument("--full_queue", type=int, default=16, help="--max_queue of the "
+                      "full_queue mode, in sentences.")
+  parser.add_argument("--retry_scale", type=float, default=0.05, help="A refused client waits "
+                      "Retry-After x this before sending again.")
+  parser.add_argument("--server_flags", default="", help="More serve flags, space-separated.")
+  parser.add_argument("--deadline", type=float, default=600, help="Seconds a mode's clients "
+                      "may run at most.")
+  parser.add_argument("--logs", default=None, help="A directory for the servers' logs.")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+  if args.max_sentences > args.full_queue:
+    parser.error("--max_sentences must be at most --full_queue: a request must fit the queue")
+
+  import portpicker  # noqa: PLC0415 -- test dependency, imported when run.
+
+  from transformer_jax.translator import split_pairs  # noqa: PLC0415
+  sources = [s for s in split_pairs(args.workdir, args.split)[0] if s.strip()]
+  plan = requests_for(sources, args.clients, args.requests, args.max_sentences)
+  sent = sum(len(r) for c in plan for r in c)
+  flags = {"batching": [], "nobatching": ["--nobatching"],
+           "full_queue": [f"--max_queue={args.full_queue}",
+                          f"--max_sentences={min(args.full_queue, 64)}"]}
+  results, reference = {}, None
+  for mode in args.modes.split(","):
+    port = portpicker.pick_unused_port()
+    log = open(Path(args.logs) / f"serve_{mode}.log", "w") if args.logs else subprocess.DEVNULL
+    server = start_server(args.workdir, port, *flags[mode], *args.server_flags.split(), log=log)
+    try:
+      ready_s = wait_ready(server, port)
+      run = run_clients(port, plan, args.retry_scale, args.deadline)
+    finally:
+      status = stop_server(server)
+    if reference is None:
+      reference = run["answers"]
+    expected = {(c, r) for c in range(len(plan)) for r in range(len(plan[c]))}
+    answered = sum(len(plan[c][r]) for c, r in run["answers"])
+    row = {
+        "mode": mode, "ready_s": round(ready_s, 1), "clients": args.clients,
+        "requests": len(expected), "sentences": sent, "answered_sentences": answered,
+        "wall_s": round(run["wall"], 2), "sentences_per_s": round(answered / run["wall"], 1),
+        "p50_ms": round(1000 * percentile(run["latencies"], 50), 1) if run["latencies"] else None,
+        "p99_ms": round(1000 * percentile(run["latencies"], 99), 1) if run["latencies"] else None,
+        "refused_503": run["refused"], "lost": len(expected - set(run["answers"])),
+        "duplicated": sum(n - 1 for n in run["counts"].values() if n > 1),
+        "different_from_batching": sum(run["answers"][k] != reference.get(k)
+                                       for k in run["answers"] if k in reference),
+        "errors": run["errors"][:5], "exit_status": status,
+        "server_flags": flags[mode] + args.server_flags.split()}
+    results[mode] = row
+    print(json.dumps(row), flush=True)
+  if "batching" in results and "nobatching" in results:
+    speedup = results["batching"]["sentences_per_s"] / results["nobatching"]["sentences_per_s"]
+    print(f"batching / one request at a time: {speedup:.2f}x sentences/s")
+  import jax  # noqa: PLC0415
+  out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+         "cpu": _cpu(), "cores": os.cpu_count(), "jax": jax.__version__, "modes": results}
+  print(f"{'mode':<12}{'ready s':>9}{'sent/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'503s':>7}"
+        f"{'lost':>6}{'dup':>5}{'diff':>6}{'exit':>6}")
+  for r in results.values():
+    print(f"{r['mode']:<12}{r['ready_s']:>9}{r['sentences_per_s']:>9}{r['p50_ms']!s:>9}"
+          f"{r['p99_ms']!s:>9}{r['refused_503']:>7}{r['lost']:>6}{r['duplicated']:>5}"
+          f"{r['different_from_batching']:>6}{r['exit_status']:>6}")
+  if args.json:
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _cpu() -> str:
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  import platform  # noqa: PLC0415
+  return platform.processor()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,241 @@
+"""The translation server as a real process on localhost, with the trained smoke workdir: real
+HTTP requests from concurrent clients, a full queue, bad input, SIGTERM with requests in flight."""
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import portpicker
+import pytest
+
+from benchmarks.serve_load import get, post, start_server, stop_server, wait_ready
+from tests.conftest import ROOT
+from transformer_jax.translator import split_pairs
+from transformer_jax.workdir import Workdir
+
+
+@pytest.fixture(scope="module")
+def sources(trained):
+  _, workdir = trained
+  return [s for s in split_pairs(str(workdir), "validation[:80]")[0] if s.strip()][:48]
+
+
+@pytest.fixture(scope="module")
+def short(trained, sources):
+  """Sources of at most 15 tokens: each is one piece (never split into sentences)."""
+  _, workdir = trained
+  lengths = [len(ids) for ids in Workdir(workdir).tokenizers().src.encode(sources)]
+  return [s for s, n in zip(sources, lengths) if n <= 15][:8]
+
+
+@pytest.fixture(scope="module")
+def expected(trained, sources, tmp_path_factory):
+  """What `translate` writes for the sources: greedy, with the workdir's beam (4), and with
+  beam 4 translating every source whole (as n-best requests are)."""
+  _, workdir = trained
+  tmp = tmp_path_factory.mktemp("translate")
+  (tmp / "src.txt").write_text("".join(s + "\n" for s in sources))
+  out = {}
+  for name, flags in ((1, ["--beam_size=1"]), (4, ["--beam_size=4"]),
+                      ("whole", ["--beam_size=4", "--segment_over=-1"])):
+    subprocess.run([sys.executable, "-m", "transformer_jax", "translate", f"--workdir={workdir}",
+                    f"--input={tmp / 'src.txt'}", f"--output={tmp / f'{name}.txt'}", *flags],
+                   cwd=ROOT, check=True, capture_output=True)
+    out[name] = (tmp / f"{name}.txt").read_text().splitlines()
+  return out
+
+
+def _serve(workdir, tmp_path, *flags):
+  port = portpicker.pick_unused_port()
+  log = open(tmp_path / f"serve_{port}.log", "w")
+  server = start_server(str(workdir), port, *flags, log=log)
+  try:
+    wait_ready(server, port, timeout=600)
+  except RuntimeError:
+    stop_server(server)
+    raise AssertionError((tmp_path / f"serve_{port}.log").read_text()[-3000:])
+  return server, port, tmp_path / f"serve_{port}.log"
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+  _, workdir = trained
+  server, port, log = _serve(workdir, tmp_path_factory.mktemp("serve"), "--max_sentences=8",
+                             "--max_sentence_chars=300", "--max_request_bytes=4000")
+  yield port
+  assert stop_server(server) == 0, log.read_text()[-3000:]
+
+
+def _connection(port):
+  return http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+
+def test_concurrent_clients_get_what_translate_gives(server, sources, expected):
+  # 8 clients at once, each sending its share of the sources in requests of 1 to 4 sentences,
+  # greedy and with beam 4 (the workdir's default) in turn; n-best on some.
+  answers, failures = {}, []
+
+  def client(c):
+    connection = _connection(server)
+    mine = list(range(c, len(sources), 8))
+    for r, start in enumerate(range(0, len(mine), 1 + c % 4)):
+      indices = mine[start:start + 1 + c % 4]
+      request = {"sentences": [sources[i] for i in indices], "id": [c, r]}
+      beam = 1 if (c + r) % 2 else 4
+      if beam == 1:
+        request["beam_size"] = 1
+      elif r % 2:
+        request["n_best"] = 3
+      status, body, _ = post(connection, request)
+      if status != 200 or body.get("id") != [c, r]:
+        failures.append((status, body))
+        continue
+      for i, entry in zip(indices, body["translations"]):
+        answers[i, beam] = entry
+    connection.close()
+
+  threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not failures
+  assert {i for i, _ in answers} == set(range(len(sources)))
+  for (i, beam), entry in answers.items():
+    assert entry["text"] == expected["whole" if "n_best" in entry else beam][i]
+    assert entry["score"] < 0
+    if "n_best" in entry:
+      scores = [h["score"] for h in entry["n_best"]]
+      assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+      assert entry["n_best"][0]["text"] == entry["text"]
+  assert any("n_best" in entry for entry in answers.values())
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"sentences": ["I lost."', "not valid JSON"),
+    (b'{"sentences": ["I \xff lost."]}', "not UTF-8 text (byte 19)"),
+    (b'["I lost."]', "must be a JSON object"),
+    (json.dumps({"sentences": ["a"] * 9}).encode(), "9 sentences; the limit is 8 per request"),
+    (json.dumps({"sentences": ["a" * 301]}).encode(), "301 characters; the limit is 300"),
+    (json.dumps({"sentences": ["x" * 3990]}).encode(), "the limit is 4000 (--max_request_bytes)"),
+    (json.dumps({"sentences": ["Tom " * 40]}).encode(), "tokens with <eos>; the limit is the "
+                                                        "model's max_len, 32"),
+    (json.dumps({"sentences": ["I lost.", " "]}).encode(), "sentences[1] is empty"),
+    (json.dumps({"sentences": ["I lost.", 3]}).encode(), "sentences[1] is not a string"),
+    (json.dumps({"sentences": []}).encode(), "non-empty list of strings"),
+    (json.dumps({"sentences": ["I lost."], "beam_size": 3}).encode(),
+     "beam_size 3 is not served; choose one of 1, 4"),
+    (json.dumps({"sentences": ["I lost."], "beam_size": 1, "n_best": 2}).encode(),
+     "n_best 2 must be from 0 (off) to the beam size (1)"),
+    (json.dumps({"sentences": ["I lost."], "alpha": -1}).encode(), "alpha must be a number"),
+    (json.dumps({"sentences": ["I lost."], "temperature": 1}).encode(),
+     "unknown field 'temperature'"),
+])
+def test_bad_requests_get_400_with_a_message(server, body, message):
+  connection = _connection(server)
+  status, answer, _ = post(connection, body)
+  connection.close()
+  assert status == 400
+  assert message in answer["error"]
+
+
+def test_health_ready_and_info(server):
+  assert get(server, "/health") == (200, {"status": "ok"})
+  status, ready = get(server, "/ready")
+  assert status == 200 and ready["ready"] and ready["shapes_compiled"] == ready["shapes"] > 0
+  status, info = get(server, "/info")
+  assert status == 200 and info["max_len"] == 32 and info["settings"]["beam_sizes"] == [1, 4]
+
+
+def _wait_queued(port, count, timeout=60):
+  start = time.monotonic()
+  while get(port, "/ready")[1]["queued"] < count:
+    assert time.monotonic() - start < timeout, "the requests were not queued"
+    time.sleep(0.02)
+
+
+def _send_in_thread(port, request, results, key):
+  def send():
+    connection = _connection(port)
+    results[key] = post(connection, request)[:2]
+    connection.close()
+  thread = threading.Thread(target=send)
+  thread.start()
+  return thread
+
+
+def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, short, sources,
+                                                         expected):
+  # A partial batch waits 3 s for company, so the first request's 4 sentences stay queued.
+  _, workdir = trained
+  process, port, log = _serve(workdir, tmp_path, "--max_queue=4", "--max_sentences=4",
+                              "--max_wait_ms=3000")
+  try:
+    results = {}
+    first = _send_in_thread(port, {"sentences": short[:4], "beam_size": 1}, results, "first")
+    _wait_queued(port, 4)
+    connection = _connection(port)
+    status, body, headers = post(connection, {"sentences": short[4:5], "beam_size": 1})
+    connection.close()
+    assert status == 503 and headers["retry-after"] == "1"
+    assert "the queue is full" in body["error"] and "--max_queue" in body["error"]
+    first.join()
+    status, body = results["first"]
+    assert status == 200
+    assert [t["text"] for t in body["translations"]] == [
+        expected[1][sources.index(s)] for s in short[:4]]
+  finally:
+    assert stop_server(process) == 0, log.read_text()[-3000:]
+
+
+def test_sigterm_answers_the_requests_in_flight_then_exits_0(trained, tmp_path, short, sources,
+                                                              expected):
+  _, workdir = trained
+  process, port, log = _serve(workdir, tmp_path, "--max_wait_ms=3000")
+  results, threads = {}, []
+  for r in range(3):
+    threads.append(_send_in_thread(
+        port, {"sentences": short[2 * r:2 * r + 2], "beam_size": 1}, results, r))
+  _wait_queued(port, 6)
+  assert stop_server(process) == 0  # SIGTERM while all three wait in the queue.
+  for t in threads:
+    t.join()
+  for r in range(3):
+    status, body = results[r]
+    assert status == 200
+    assert [t["text"] for t in body["translations"]] == [
+        expected[1][sources.index(s)] for s in short[2 * r:2 * r + 2]]
+  assert "every accepted request was answered" in log.read_text()
+  with pytest.raises(ConnectionRefusedError):
+    get(port, "/health")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max_queue=4", "--max_sentences=8"], "--max_queue 4 is below --max_sentences 8"),
+    (["--beam_sizes=1"], "leaves out the workdir's default beam size (4)"),
+    (["--beam_sizes=0,4"], "--beam_sizes must be at least 1"),
+])
+def test_bad_flags_are_one_line_errors(trained, flags, message):
+  _, workdir = trained
+  port = portpicker.pick_unused_port()
+  result = subprocess.run([sys.executable, "-m", "transformer_jax", "serve",
+                           f"--workdir={workdir}", f"--port={port}", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert message in result.stderr
+
+
+def test_a_port_in_use_is_a_one_line_error(trained):
+  _, workdir = trained
+  import socket
+  with socket.create_server(("127.0.0.1", 0)) as taken:
+    port = taken.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "transformer_jax", "serve",
+                             f"--workdir={workdir}", f"--port={port}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr

@@ -1,0 +1,130 @@
+"""Serves translations over HTTP with a trained workdir's model (docs/serving.md).
+
+  python -m transformer_jax serve --workdir runs/fra_eng --port 8080
+  curl -s localhost:8080/ready
+  curl -s localhost:8080/translate -d '{"sentences": ["I lost.", "I am home."]}'
+
+The sentences of concurrent requests are decoded together, in batches of up to --batch_tokens
+rows x source tokens, a partial batch waiting --max_wait_ms for more. Every batch shape is
+compiled at start-up: GET /ready answers 200 once that is done. SIGTERM (or Ctrl-C) stops taking
+requests, answers those already taken, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import signal  # noqa: E402
+import socket  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+
+from transformer_jax import errors  # noqa: E402
+from transformer_jax.errors import UserError  # noqa: E402
+
+
+class ServeError(UserError, ValueError):
+  """A flag the server cannot start with."""
+
+
+def define_flags() -> None:
+  flags.DEFINE_multi_string("workdir", None, "Training workdir; given more than once, an "
+                            "ensemble (as translate).")
+  flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest that verifies.")
+  flags.DEFINE_bool("ema", True, "Decode with the parameters' moving average where the run kept "
+                    "one.")
+  flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+  flags.DEFINE_integer("port", 8080, "Port to listen on.")
+  flags.DEFINE_list("beam_sizes", None, "Beam sizes a request may ask for, each compiled at "
+                    "start-up; default: 1 and the workdir's decode.beam_size.")
+  flags.DEFINE_integer("batch_size", 64, "Sentences per batch at most.")
+  flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of rows x source "
+                       "tokens (beams count as rows), up to --batch_size; 0: --batch_size.")
+  flags.DEFINE_float("max_wait_ms", 5.0, "How long a partial batch waits for more sentences.")
+  flags.DEFINE_bool("batching", True, "Join the sentences of concurrent requests into batches; "
+                    "--nobatching decodes one request at a time.")
+  flags.DEFINE_integer("max_queue", 1024, "Sentences waiting at most; a request that would "
+                       "overflow the queue gets 503 with Retry-After.")
+  flags.DEFINE_integer("max_request_bytes", 65536, "Largest request body.")
+  flags.DEFINE_integer("max_sentences", 64, "Most sentences in one request.")
+  flags.DEFINE_integer("max_sentence_chars", 2000, "Longest sentence, in characters.")
+  flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
+                      "restart then compiles nothing); default: the training run's "
+                      "(run.compilation_cache_dir, or WORKDIR/jax_cache).")
+
+
+def _check_port(host: str, port: int) -> None:
+  """Raises before the model is loaded when the address cannot be listened on."""
+  if not 0 < port < 65536:
+    raise ServeError(f"--port must be from 1 to 65535, got {port}")
+  try:
+    with socket.create_server((host, port)):
+      pass
+  except OSError as e:
+    raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def main(argv):
+  FLAGS = flags.FLAGS
+  with errors.reported():
+    if len(argv) > 1:
+      raise ServeError(f"unexpected arguments {argv[1:]}: sentences come in requests")
+    if not FLAGS.workdir:
+      raise ServeError("--workdir is required")
+    for name in ("batch_size", "max_queue", "max_request_bytes", "max_sentences",
+                 "max_sentence_chars"):
+      if getattr(FLAGS, name) < 1:
+        raise ServeError(f"--{name} must be at least 1, got {getattr(FLAGS, name)}")
+    if FLAGS.max_queue < FLAGS.max_sentences:
+      raise ServeError(f"--max_queue {FLAGS.max_queue} is below --max_sentences "
+                       f"{FLAGS.max_sentences}: a full request could never be queued")
+    if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0:
+      raise ServeError("--batch_tokens and --max_wait_ms must be 0 or positive")
+    try:
+      beam_sizes = tuple(sorted({int(b) for b in FLAGS.beam_sizes or ()}))
+    except ValueError:
+      raise ServeError(f"--beam_sizes must be integers, got {FLAGS.beam_sizes}") from None
+    if any(b < 1 for b in beam_sizes):
+      raise ServeError(f"--beam_sizes must be at least 1, got {FLAGS.beam_sizes}")
+    _check_port(FLAGS.host, FLAGS.port)
+
+    import uvicorn  # The server's libraries: imported once the flags are known good.
+
+    from transformer_jax.server import Service, Settings, create_app
+    from transformer_jax.translator import Translator
+    from transformer_jax.workdir import Workdir
+
+    import jax
+
+    run_dir = Workdir(FLAGS.workdir[0])
+    config = run_dir.load_config()
+    jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir
+                      or config.run.compilation_cache_dir or str(run_dir.jax_cache))
+    default_beam = config.decode.beam_size
+    settings = Settings(
+        beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
+        batch_size=FLAGS.batch_size, batch_tokens=FLAGS.batch_tokens,
+        max_wait=FLAGS.max_wait_ms / 1000, join_requests=FLAGS.batching,
+        max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
+        max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars)
+    if default_beam not in settings.beam_sizes:
+      raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
+                       f"size ({default_beam}), which requests without beam_size get")
+    service = Service(Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema), settings)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
+        access_log=False, lifespan="on", timeout_graceful_shutdown=None))
+    # uvicorn drains on SIGTERM, then raises the signal again: answered here, so that a drained
+    # server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    logging.info("serving on http://%s:%d; compiling the decoder (GET /ready says when done)",
+                 FLAGS.host, FLAGS.port)
+    server.run()
+    logging.info("shut down")
+
+
+def run() -> None:
+  define_flags()
+  app.run(main)

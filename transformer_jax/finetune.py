@@ -1,0 +1,76 @@
+"""Fine-tuning: a new run that starts from another run's parameters (`run.init_from`).
+
+The new run begins at step 0 with a fresh optimizer state and its own schedule, on its own data,
+with the other run's tokenizer (the vocabulary the parameters were trained with). The other run
+must hold the same model: every field that shapes the parameters, and the same tokenizer kind
+and vocabulary size. The parameters taken are the ones the other run decodes with: its moving
+average where it kept one. Once the new run has a checkpoint of its own, it resumes from that,
+and `init_from` is not read again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from transformer_jax import config as config_lib
+from transformer_jax.errors import UserError
+from transformer_jax.workdir import Workdir
+
+# Model fields that change what is computed but not the parameters' names or shapes.
+FREE_MODEL_FIELDS = ("dropout_rate", "dtype", "attention_impl", "remat")
+
+
+class InitFromError(UserError, ValueError):
+  """run.init_from names a run this one cannot start from."""
+
+
+def check_source(cfg: config_lib.Config, init_from: str) -> Workdir:
+  """The workdir to start from, checked before anything is written: a trained run (config,
+  tokenizer, checkpoints) of the same model. Raises InitFromError naming the first problem."""
+  source = Workdir(init_from)
+  where = f"run.init_from={init_from!r}"
+  if not source.path.is_dir():
+    raise InitFromError(f"{where} is not a directory")
+  if not source.config_file.is_file():
+    raise InitFromError(f"{where} holds no config.json: not a training workdir")
+  saved = source.load_config()
+  if not source.checkpoint_steps():
+    raise InitFromError(f"{where} holds no checkpoint to start from")
+  source.tokenizers()  # Raises where there is none.
+  differences = [
+      (f"data.{k}", getattr(cfg.data, k), getattr(saved.data, k))
+      for k in ("tokenizer", "vocab_size")]
+  differences += [(f"model.{k}", v, getattr(saved.model, k))
+                  for k, v in dataclasses.asdict(cfg.model).items()
+                  if k not in FREE_MODEL_FIELDS]
+  differences = [(name, ours, theirs) for name, ours, theirs in differences if ours != theirs]
+  if differences:
+    raise InitFromError(f"{where} is another model: " + "; ".join(
+        f"{name} is {ours!r} here and {theirs!r} there" for name, ours, theirs in differences))
+  return source
+
+
+def start_from(state, source: Workdir, model, mesh, shardings):
+  """`state` (a fresh one, step 0) with the parameters of `source`'s newest checkpoint that
+  verifies (its moving average where it kept one); its moving average, where this run keeps
+  one, starts from them too."""
+  saved = source.load_config()
+  key = "ema_params" if saved.step.ema_decay > 0 else "params"
+  dummy = jnp.ones((1, 2), jnp.int32)
+  # Still boxed: the checkpointer turns the logical names into shardings.
+  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
+  ckpt = source.checkpointer(read_only=True)
+  try:
+    step, params = ckpt.restore_params_latest(abstract, mesh, key)
+  finally:
+    ckpt.close()
+  params = jax.device_put(params, shardings.params)
+  ema = None if state.ema_params is None else jax.device_put(params, shardings.ema_params)
+  logging.info("Starting from the %s of step %d of %s, with a fresh optimizer state",
+               "parameters' moving average" if key == "ema_params" else "parameters", step,
+               source.path)
+  return state.replace(params=params, ema_params=ema)

@@ -1,0 +1,262 @@
+"""A translation server over HTTP (Starlette): JSON in, translations with scores out, the
+sentences of concurrent requests decoded together (batcher.py).
+
+  POST /translate  {"sentences": [...], "beam_size": 4, "alpha": 1.0, "n_best": 2, "id": ...}
+                   -> 200 {"translations": [{"text", "score"[, "n_best": [{"text", "score"}]]}],
+                           "id": ...}
+  GET  /health     -> 200 while the process serves
+  GET  /ready      -> 200 once every decoder shape is compiled; 503 before (with progress);
+                      "queued": the sentences waiting
+  GET  /info       -> the model, its step and the limits
+
+Sentences are translated as `translate` does (the workdir's decoding settings, long ones
+sentence by sentence). Every refusal is JSON {"error": MESSAGE}: 400 for a request that breaks
+a limit or is not valid JSON or UTF-8, 503 while compiling, stopping, or when the queue is full
+(with Retry-After). One log line per request: status, sentences, latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import time
+
+from absl import logging
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from transformer_jax import sentences as sentences_lib
+from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull
+from transformer_jax.data.tokenizer import EOS
+from transformer_jax.generation import DecodeOptions, strip
+from transformer_jax.translator import Translator
+
+FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
+MAX_ALPHA = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How the server batches and what it accepts."""
+  beam_sizes: tuple[int, ...]  # The beam sizes a request may ask for (compiled at start-up).
+  batch_size: int = 64  # Rows of a batch at most ...
+  batch_tokens: int = 1024  # ... and rows x source width (beams count as rows) at most.
+  max_wait: float = 0.005  # Seconds a partial batch waits for more sentences.
+  join_requests: bool = True  # False: one request at a time.
+  max_queue: int = 1024  # Sentences waiting, at most.
+  max_request_bytes: int = 65536
+  max_sentences: int = 64  # Per request.
+  max_sentence_chars: int = 2000
+
+
+class BadRequest(Exception):
+  """A request the server refuses with 400."""
+
+
+def widths(max_src_len: int) -> list[int]:
+  """The source widths a batch can have: multiples of 8 up to the model's max_len."""
+  return list(range(8, -(-max_src_len // 8) * 8 + 1, 8))
+
+
+class Service:
+  """The model, its batcher and what turns a request into pieces and pieces into answers."""
+
+  def __init__(self, translator: Translator, settings: Settings):
+    self.translator, self.settings = translator, settings
+    self.defaults = translator.config.decode
+    beams = set(settings.beam_sizes)
+    if self.defaults.long_beam_size:
+      beams.add(self.defaults.long_beam_size)
+    self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
+                           settings.join_requests)
+    self.kinds = [(w, k) for k in sorted(beams) for w in widths(translator.max_src_len)]
+
+  def rows(self, width: int, beam_size: int) -> int:
+    """The most sentences of a batch of this width and beam size (translate's rule)."""
+    if not self.settings.batch_tokens:
+      return self.settings.batch_size
+    return max(1, min(self.settings.batch_size,
+                      self.settings.batch_tokens // (width * beam_size)))
+
+  def _decode(self, src, beam_size, alpha):
+    return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha))
+
+  def parse(self, body: bytes) -> tuple[list[str], DecodeOptions, int, object]:
+    """(sentences, options, n_best, id) of a request body, or BadRequest naming the problem."""
+    s = self.settings
+    try:
+      text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise BadRequest(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
+    try:
+      request = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(request, dict):
+      raise BadRequest('the request must be a JSON object: {"sentences": ["..."]}')
+    unknown = sorted(set(request) - set(FIELDS))
+    if unknown:
+      raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")
+    lines = request.get("sentences")
+    if not isinstance(lines, list) or not lines:
+      raise BadRequest('"sentences" must be a non-empty list of strings')
+    if len(lines) > s.max_sentences:
+      raise BadRequest(f"{len(lines)} sentences; the limit is {s.max_sentences} per request "
+                       "(--max_sentences)")
+    for i, line in enumerate(lines):
+      if not isinstance(line, str):
+        raise BadRequest(f"sentences[{i}] is not a string")
+      if not line.strip():
+        raise BadRequest(f"sentences[{i}] is empty")
+      if len(line) > s.max_sentence_chars:
+        raise BadRequest(f"sentences[{i}] has {len(line)} characters; the limit is "
+                         f"{s.max_sentence_chars} (--max_sentence_chars)")
+    beam_size = _integer(request, "beam_size", self.defaults.beam_size)
+    if beam_size not in s.beam_sizes:
+      raise BadRequest(f"beam_size {beam_size} is not served; choose one of "
+                       f"{', '.join(map(str, s.beam_sizes))} (--beam_sizes)")
+    alpha = request.get("alpha", self.defaults.alpha)
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha)
+        or not 0 <= alpha <= MAX_ALPHA):
+      raise BadRequest(f"alpha must be a number from 0 to {MAX_ALPHA}, got {alpha!r}")
+    n_best = _integer(request, "n_best", 0)
+    if not 0 <= n_best <= beam_size:
+      raise BadRequest(f"n_best {n_best} must be from 0 (off) to the beam size ({beam_size})")
+    return lines, DecodeOptions(beam_size=beam_size, alpha=float(alpha)), n_best, request.get("id")
+
+  def pieces(self, lines: list[str], options: DecodeOptions,
+             whole: bool) -> tuple[list[tuple[list[int], Kind]], list[int]]:
+    """The pieces to decode ((ids with <eos>, kind) each) and the line each came from: long
+    lines split into sentences unless `whole` (translate's rules), over-long pieces refused."""
+    tokenizer, d = self.translator.tokenizers.src, self.defaults
+    over = None if whole or d.segment_over < 0 else d.segment_over
+    lengths = [len(ids) + 1 for ids in tokenizer.encode(lines)]
+    texts, owners = sentences_lib.split_long(lines, lengths, over, self.translator.src_lang)
+    limit = self.translator.max_src_len
+    out = []
+    for text, owner, ids in zip(texts, owners, tokenizer.encode(texts)):
+      ids = [*ids, EOS]
+      if len(ids) > limit:
+        what = "a sentence of it has" if len(texts) > len(lines) else "it has"
+        raise BadRequest(f"sentences[{owner}] is too long: {what} {len(ids)} tokens with <eos>; "
+                         f"the limit is the model's max_len, {limit}")
+      beam_size = options.beam_size
+      if d.long_beam_size and not whole and len(ids) > d.long_over:
+        beam_size = d.long_beam_size
+      out.append((ids, Kind(-(-len(ids) // 8) * 8, beam_size, options.alpha)))
+    return out, owners
+
+  def answer(self, results, owners: list[int], count: int, n_best: int) -> list[dict]:
+    """The response's translations: pieces' best outputs joined per line (scores summed)."""
+    decode = lambda tokens: self.translator.tokenizers.tgt.decode(strip(tokens))
+    texts = [decode(tokens[0]) for tokens, _ in results]
+    joined = sentences_lib.join(texts, owners, count)
+    scores = [0.0] * count
+    for (_, score), owner in zip(results, owners):
+      scores[owner] += float(score[0])
+    out = [{"text": text, "score": score} for text, score in zip(joined, scores)]
+    if n_best:  # Lines are whole then: one piece each.
+      for entry, (tokens, score) in zip(out, results):
+        entry["n_best"] = [{"text": decode(tokens[j]), "score": float(score[j])}
+                           for j in range(n_best)]
+    return out
+
+
+def _integer(request: dict, name: str, default: int) -> int:
+  value = request.get(name, default)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise BadRequest(f"{name} must be an integer, got {value!r}")
+  return value
+
+
+def _error(status: int, message: str, **headers) -> JSONResponse:
+  return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+
+async def _body(request: Request, limit: int) -> bytes:
+  """The request body, refused (BadRequest) as soon as it passes `limit` bytes."""
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > limit:
+    raise BadRequest(f"the request body has {declared} bytes; the limit is {limit} "
+                     "(--max_request_bytes)")
+  chunks, size = [], 0
+  async for chunk in request.stream():
+    size += len(chunk)
+    if size > limit:
+      raise BadRequest(f"the request body is over {limit} bytes (--max_request_bytes)")
+    chunks.append(chunk)
+  return b"".join(chunks)
+
+
+def create_app(service: Service) -> Starlette:
+  """The ASGI application; its lifespan starts the batcher (compiling in the background) and,
+  at shutdown, drains it."""
+  batcher, settings = service.batcher, service.settings
+
+  async def translate(request: Request) -> JSONResponse:
+    start = time.monotonic()
+    count = 0
+    response = None
+    try:
+      lines, options, n_best, request_id = service.parse(await _body(request,
+                                                                      settings.max_request_bytes))
+      count = len(lines)
+      pieces, owners = service.pieces(lines, options, whole=bool(n_best))
+      if len(pieces) > settings.max_queue:
+        raise BadRequest(f"the request makes {len(pieces)} sentences to decode (long lines are "
+                         f"split); the queue holds {settings.max_queue} (--max_queue)")
+      job = batcher.submit(pieces)
+      results = await asyncio.wrap_future(job.future)
+      body = {"translations": service.answer(results, owners, count, n_best)}
+      if request_id is not None:
+        body["id"] = request_id
+      response = JSONResponse(body)
+    except BadRequest as e:
+      response = _error(400, str(e))
+    except QueueFull as e:
+      response = _error(503, f"the queue is full: {e}", **{"Retry-After": "1"})
+    except NotReady as e:
+      response = _error(503, f"not ready: {e}", **{"Retry-After": "1"})
+    except ClientDisconnect:
+      response = _error(400, "the client went away before sending its request")
+    finally:
+      status = response.status_code if response is not None else 500
+      logging.info("POST /translate %s sentences=%d latency_ms=%.1f queued=%d", status, count,
+                   1000 * (time.monotonic() - start), batcher.queued())
+    return response
+
+  async def health(request: Request) -> JSONResponse:
+    if batcher.error is not None:
+      return _error(500, f"the decoder stopped: {batcher.error!r}")
+    return JSONResponse({"status": "ok"})
+
+  async def ready(request: Request) -> JSONResponse:
+    body = {"ready": batcher.ready, "shapes_compiled": batcher.shapes_done,
+            "shapes": batcher.shapes_total, "queued": batcher.queued()}
+    return JSONResponse(body, status_code=200 if batcher.ready else 503)
+
+  async def info(request: Request) -> JSONResponse:
+    t = service.translator
+    return JSONResponse({
+        "step": t.step, "max_len": t.max_src_len, "source_language": t.src_lang,
+        "decode": dataclasses.asdict(service.defaults),
+        "settings": dataclasses.asdict(settings)})
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    batcher.start(service.kinds)
+    try:
+      yield
+    finally:
+      await asyncio.to_thread(batcher.stop)
+      logging.info("stopped: every accepted request was answered")
+
+  return Starlette(routes=[Route("/translate", translate, methods=["POST"]),
+                           Route("/health", health), Route("/ready", ready), Route("/info", info)],
+                   lifespan=lifespan)
+
