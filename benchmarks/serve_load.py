@@ -104,7 +104,7 @@ def requests_for(sources: list[str], clients: int, per_client: int, max_sentence
 
 
 def run_clients(port: int, plan: list[list[list[str]]], retry_scale: float = 1.0,
-                deadline: float = 600) -> dict:
+                deadline: float = 600, options: dict | None = None) -> dict:
   """Sends every client's requests from its own thread. Returns the answers ({(client, request):
   [translations]}), answer counts, latencies of answered requests, refusals and wall time."""
   answers, counts, latencies, refused, errors = {}, collections.Counter(), [], [0], []
@@ -117,7 +117,8 @@ def run_clients(port: int, plan: list[list[list[str]]], retry_scale: float = 1.0
       for r, sentences in enumerate(plan[c]):
         while time.monotonic() < stop_at:
           start = time.monotonic()
-          status, body, headers = post(connection, {"sentences": sentences, "id": [c, r]})
+          status, body, headers = post(connection, {"sentences": sentences, "id": [c, r],
+                                                    **(options or {})})
           if status == 503:
             with lock:
               refused[0] += 1
@@ -162,6 +163,8 @@ def main() -> None:
   parser.add_argument("--requests", type=int, default=20, help="Requests per client.")
   parser.add_argument("--max_sentences", type=int, default=8, help="Sentences per request: "
                       "1 to this many.")
+  parser.add_argument("--beam_size", type=int, default=None, help="Every request's beam_size; "
+                      "default: none given (the workdir's decode.beam_size).")
   parser.add_argument("--modes", default="batching,nobatching,full_queue")
   parser.add_argument("--full_queue", type=int, default=16, help="--max_queue of the "
                       "full_queue mode, in sentences.")
@@ -192,7 +195,8 @@ def main() -> None:
     server = start_server(args.workdir, port, *flags[mode], *args.server_flags.split(), log=log)
     try:
       ready_s = wait_ready(server, port)
-      run = run_clients(port, plan, args.retry_scale, args.deadline)
+      run = run_clients(port, plan, args.retry_scale, args.deadline,
+                        {} if args.beam_size is None else {"beam_size": args.beam_size})
     finally:
       status = stop_server(server)
     if reference is None:
@@ -201,6 +205,7 @@ def main() -> None:
     answered = sum(len(plan[c][r]) for c, r in run["answers"])
     row = {
         "mode": mode, "ready_s": round(ready_s, 1), "clients": args.clients,
+        "beam_size": args.beam_size, "sentences_per_request": [1, args.max_sentences],
         "requests": len(expected), "sentences": sent, "answered_sentences": answered,
         "wall_s": round(run["wall"], 2), "sentences_per_s": round(answered / run["wall"], 1),
         "p50_ms": round(1000 * percentile(run["latencies"], 50), 1) if run["latencies"] else None,

@@ -3,7 +3,7 @@
 Requests hand in sentences as token ids (a `Piece` each); one decoder thread takes the oldest
 waiting piece and the other waiting pieces of its kind (source width, beam size, alpha), up to
 the rows its width allows, waiting up to `max_wait` seconds for more when fewer are there, and
-decodes them as one batch padded to a row count of a few buckets. Every (width, beam size, rows)
+decodes them as one batch padded to the next of a few row counts (powers of 2). Every (width, beam size, rows)
 shape is compiled before the first request is taken (`warm_up`), so no request waits on a
 compilation. The queue holds at most `max_queue` pieces: a request that would overflow it is
 refused whole (`QueueFull`), so memory stays bounded.
@@ -36,11 +36,13 @@ class NotReady(Exception):
 
 
 def row_buckets(full: int) -> tuple[int, ...]:
-  """The row counts a batch is padded to: 1, 4, 16, ... below `full`, then `full`."""
+  """The row counts a batch is padded to: 1, 2, 4, 8, ... below `full`, then `full`. A padded
+  row costs as much as a real one (decoding on a CPU is compute-bound from a few rows on), so
+  a batch is never padded to more than twice its size."""
   buckets, rows = [], 1
   while rows < full:
     buckets.append(rows)
-    rows *= 4
+    rows *= 2
   return (*buckets, full)
 
 

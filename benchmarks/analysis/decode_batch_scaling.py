@@ -1,0 +1,60 @@
+"""How much batching can gain at all: the decoder's sentences/s at 1, 2, 4, ... sentences a
+batch, in this process (no HTTP), for one source width, greedy and with a beam.
+
+  python benchmarks/analysis/decode_batch_scaling.py runs/fra_eng --width 16 --beam_sizes 1,4
+
+The sources are the workdir's validation sentences of width-8 < tokens <= width. Each row of
+the table decodes at least --sentences sentences in batches of that size, after one warm-up
+batch (its compilation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformer_jax.generation import DecodeOptions, encode_sources  # noqa: E402
+from transformer_jax.translator import Translator, split_pairs  # noqa: E402
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("workdir")
+  parser.add_argument("--width", type=int, default=16)
+  parser.add_argument("--beam_sizes", default="1,4")
+  parser.add_argument("--rows", default="1,2,4,8,16,32")
+  parser.add_argument("--sentences", type=int, default=128)
+  parser.add_argument("--alpha", type=float, default=1.0)
+  args = parser.parse_args()
+  translator = Translator(args.workdir)
+  sources = split_pairs(args.workdir, "validation")[0]
+  lengths = [len(ids) + 1 for ids in translator.tokenizers.src.encode(sources)]
+  lines = [s for s, n in zip(sources, lengths) if args.width - 8 < n <= args.width]
+  src = encode_sources(translator.tokenizers.src, lines, translator.max_src_len, width=args.width)
+  print(f"{len(lines)} validation sources of {args.width - 7} to {args.width} tokens")
+  print(f"{'beam':>5}{'rows':>6}{'sentences/s':>13}{'ms a batch':>12}{'vs 1 row':>10}")
+  for beam in map(int, args.beam_sizes.split(",")):
+    options = DecodeOptions(beam_size=beam, alpha=args.alpha)
+    single = None
+    for rows in map(int, args.rows.split(",")):
+      if beam * rows * args.width > 4096 or rows > len(lines):
+        continue
+      translator.decode(src[:rows], options)  # Compiles.
+      done, start = 0, time.perf_counter()
+      while done < args.sentences:
+        at = done % (len(lines) - rows + 1)
+        translator.decode(src[at:at + rows], options)
+        done += rows
+      seconds = time.perf_counter() - start
+      rate = done / seconds
+      single = single or rate
+      print(f"{beam:>5}{rows:>6}{rate:>13.1f}{1000 * seconds * rows / done:>12.1f}"
+            f"{rate / single:>9.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+  main()
