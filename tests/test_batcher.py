@@ -118,3 +118,35 @@ def test_a_full_queue_refuses_a_request_whole_and_keeps_the_queued_ones():
   assert [row[0][0][0] for row in first.future.result(0)] == [50, 51]
   with pytest.raises(NotReady, match="stopping"):
     batcher.submit([_piece(54)])
+
+
+def test_a_failed_batch_fails_its_requests_and_the_next_batch_still_runs():
+  decoder = FakeDecoder()
+  batcher = _batcher(decoder)
+  calls = []
+
+  def flaky(src, beam_size, alpha):
+    calls.append(src[0, 0])
+    if len(calls) == 1:
+      raise RuntimeError("out of memory")
+    return decoder(src, beam_size, alpha)
+
+  batcher._decode = flaky
+  decoder.release.set()
+  failed = batcher.submit([_piece(60)])
+  with pytest.raises(RuntimeError, match="out of memory"):
+    failed.future.result(30)
+  assert batcher.submit([_piece(61)]).future.result(30)[0][0][0][0] == 61
+  batcher.stop()
+
+
+def test_a_decoder_that_cannot_compile_leaves_the_server_unready_with_the_reason():
+  def broken(src, beam_size, alpha):
+    raise ValueError("no such shape")
+
+  batcher = Batcher(broken, lambda width, beam: 4, 8, 0.0)
+  batcher.start([(8, 1)])
+  batcher._thread.join(30)
+  assert not batcher.ready and isinstance(batcher.error, ValueError)
+  with pytest.raises(NotReady, match="the decoder stopped"):
+    batcher.submit([_piece(70)])

@@ -116,6 +116,8 @@ class Batcher:
     job = Job(len(pieces))
     now = time.monotonic()
     with self._cond:
+      if self.error is not None:
+        raise NotReady(f"the decoder stopped ({self.error!r}); restart the server")
       if not self.ready or self._stopping:
         raise NotReady("stopping" if self._stopping else
                        f"compiling: {self.shapes_done} of {self.shapes_total} shapes done")

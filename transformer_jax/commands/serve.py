@@ -47,6 +47,8 @@ def define_flags() -> None:
                     "--nobatching decodes one request at a time.")
   flags.DEFINE_integer("max_queue", 1024, "Sentences waiting at most; a request that would "
                        "overflow the queue gets 503 with Retry-After.")
+  flags.DEFINE_integer("max_connections", 512, "Open connections at most (uvicorn's "
+                       "limit_concurrency): one more is answered 503 at once.")
   flags.DEFINE_integer("max_request_bytes", 65536, "Largest request body.")
   flags.DEFINE_integer("max_sentences", 64, "Most sentences in one request.")
   flags.DEFINE_integer("max_sentence_chars", 2000, "Longest sentence, in characters.")
@@ -73,8 +75,8 @@ def main(argv):
       raise ServeError(f"unexpected arguments {argv[1:]}: sentences come in requests")
     if not FLAGS.workdir:
       raise ServeError("--workdir is required")
-    for name in ("batch_size", "max_queue", "max_request_bytes", "max_sentences",
-                 "max_sentence_chars"):
+    for name in ("batch_size", "max_queue", "max_connections", "max_request_bytes",
+                 "max_sentences", "max_sentence_chars"):
       if getattr(FLAGS, name) < 1:
         raise ServeError(f"--{name} must be at least 1, got {getattr(FLAGS, name)}")
     if FLAGS.max_queue < FLAGS.max_sentences:
@@ -115,10 +117,12 @@ def main(argv):
     service = Service(Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema), settings)
     server = uvicorn.Server(uvicorn.Config(
         create_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
-        access_log=False, lifespan="on", timeout_graceful_shutdown=None))
-    # uvicorn drains on SIGTERM, then raises the signal again: answered here, so that a drained
-    # server exits 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+        access_log=False, lifespan="on", timeout_graceful_shutdown=None,
+        limit_concurrency=FLAGS.max_connections))
+    # uvicorn drains on SIGTERM or SIGINT, then raises the signal again: answered here, so that
+    # a drained server exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, lambda *_: None)
     logging.info("serving on http://%s:%d; compiling the decoder (GET /ready says when done)",
                  FLAGS.host, FLAGS.port)
     server.run()
