@@ -131,6 +131,10 @@ def test_concurrent_clients_get_what_translate_gives(server, sources, expected):
     (json.dumps({"sentences": ["I lost."], "beam_size": 1, "n_best": 2}).encode(),
      "n_best 2 must be from 0 (off) to the beam size (1)"),
     (json.dumps({"sentences": ["I lost."], "alpha": -1}).encode(), "alpha must be a number"),
+    (b'{"sentences": ["I lost."], "alpha": NaN}', "alpha must be a number from 0 to 2.0"),
+    (b'{"sentences": ["I lost."], "alpha": 1e400}', "alpha must be a number from 0 to 2.0"),
+    (b'{"sentences": ["I \\ud800 lost."]}', "sentences[0] holds a lone surrogate"),
+    (b"[" * 1900 + b"]" * 1900, "not valid JSON"),
     (json.dumps({"sentences": ["I lost."], "temperature": 1}).encode(),
      "unknown field 'temperature'"),
 ])

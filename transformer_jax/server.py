@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import time
 
 from absl import logging
@@ -30,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from transformer_jax import sentences as sentences_lib
+from transformer_jax import errors, sentences as sentences_lib
 from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.generation import DecodeOptions, strip
@@ -95,8 +94,8 @@ class Service:
       raise BadRequest(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
     try:
       request = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, a 5000-digit int.
+      raise BadRequest(f"the request body is not valid JSON: {errors.first_line(e)}") from None
     if not isinstance(request, dict):
       raise BadRequest('the request must be a JSON object: {"sentences": ["..."]}')
     unknown = sorted(set(request) - set(FIELDS))
@@ -113,6 +112,11 @@ class Service:
         raise BadRequest(f"sentences[{i}] is not a string")
       if not line.strip():
         raise BadRequest(f"sentences[{i}] is empty")
+      try:
+        line.encode("utf-8")
+      except UnicodeEncodeError as e:  # JSON's "\ud800": a surrogate without its pair.
+        raise BadRequest(f"sentences[{i}] holds a lone surrogate (character {e.start + 1}), "
+                         "not text") from None
       if len(line) > s.max_sentence_chars:
         raise BadRequest(f"sentences[{i}] has {len(line)} characters; the limit is "
                          f"{s.max_sentence_chars} (--max_sentence_chars)")
@@ -121,8 +125,7 @@ class Service:
       raise BadRequest(f"beam_size {beam_size} is not served; choose one of "
                        f"{', '.join(map(str, s.beam_sizes))} (--beam_sizes)")
     alpha = request.get("alpha", self.defaults.alpha)
-    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha)
-        or not 0 <= alpha <= MAX_ALPHA):
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= MAX_ALPHA:
       raise BadRequest(f"alpha must be a number from 0 to {MAX_ALPHA}, got {alpha!r}")
     n_best = _integer(request, "n_best", 0)
     if not 0 <= n_best <= beam_size:
