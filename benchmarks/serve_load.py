@@ -24,6 +24,7 @@ import collections
 import http.client
 import json
 import os
+import platform
 import random
 import signal
 import subprocess
@@ -31,6 +32,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -149,11 +152,6 @@ def run_clients(port: int, plan: list[list[list[str]]], retry_scale: float = 1.0
           "errors": errors, "wall": time.monotonic() - start}
 
 
-def percentile(values: list[float], q: float) -> float:
-  ordered = sorted(values)
-  return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True)
@@ -208,8 +206,8 @@ def main() -> None:
         "beam_size": args.beam_size, "sentences_per_request": [1, args.max_sentences],
         "requests": len(expected), "sentences": sent, "answered_sentences": answered,
         "wall_s": round(run["wall"], 2), "sentences_per_s": round(answered / run["wall"], 1),
-        "p50_ms": round(1000 * percentile(run["latencies"], 50), 1) if run["latencies"] else None,
-        "p99_ms": round(1000 * percentile(run["latencies"], 99), 1) if run["latencies"] else None,
+        "p50_ms": _ms_percentile(run["latencies"], 50),
+        "p99_ms": _ms_percentile(run["latencies"], 99),
         "refused_503": run["refused"], "lost": len(expected - set(run["answers"])),
         "duplicated": sum(n - 1 for n in run["counts"].values() if n > 1),
         "different_from_batching": sum(run["answers"][k] != reference.get(k)
@@ -223,7 +221,8 @@ def main() -> None:
     print(f"batching / one request at a time: {speedup:.2f}x sentences/s")
   import jax  # noqa: PLC0415
   out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-         "cpu": _cpu(), "cores": os.cpu_count(), "jax": jax.__version__, "modes": results}
+         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+         "jax": jax.__version__, "modes": results}
   print(f"{'mode':<12}{'ready s':>9}{'sent/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'503s':>7}"
         f"{'lost':>6}{'dup':>5}{'diff':>6}{'exit':>6}")
   for r in results.values():
@@ -234,15 +233,9 @@ def main() -> None:
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
-def _cpu() -> str:
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  import platform  # noqa: PLC0415
-  return platform.processor()
+def _ms_percentile(seconds: list[float], q: float) -> float | None:
+  """The q-th percentile, in ms: the sample nearest to it (as the recorded figures were)."""
+  return round(1000 * float(np.percentile(seconds, q, method="nearest")), 1) if seconds else None
 
 
 if __name__ == "__main__":

@@ -92,8 +92,10 @@ def sample_scored(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_
     t, cache, last, done, out, logprob = state
     logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
     token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), token[:, None],
-                               axis=-1)[:, 0]  # [B]
+    # The chosen token's log-probability, without writing the [B, V] log-softmax.
+    logits = logits.astype(jnp.float32)
+    logp = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+            - jax.nn.logsumexp(logits, axis=-1))  # [B]
     logprob = logprob + jnp.where(done, 0.0, logp)
     token = jnp.where(done, specials.pad, token)
     out = lax.dynamic_update_slice(out, token[:, None], (0, t))  # [B, L]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from absl import logging
 
 from transformer_jax import config as config_lib
@@ -60,14 +59,7 @@ def start_from(state, source: Workdir, model, mesh, shardings):
   one, starts from them too."""
   saved = source.load_config()
   key = "ema_params" if saved.step.ema_decay > 0 else "params"
-  dummy = jnp.ones((1, 2), jnp.int32)
-  # Still boxed: the checkpointer turns the logical names into shardings.
-  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
-  ckpt = source.checkpointer(read_only=True)
-  try:
-    step, params = ckpt.restore_params_latest(abstract, mesh, key)
-  finally:
-    ckpt.close()
+  step, params = source.read_params(model, mesh, key)
   params = jax.device_put(params, shardings.params)
   ema = None if state.ema_params is None else jax.device_put(params, shardings.ema_params)
   logging.info("Starting from the %s of step %d of %s, with a fresh optimizer state",

@@ -138,11 +138,13 @@ class Service:
     lines split into sentences unless `whole` (translate's rules), over-long pieces refused."""
     tokenizer, d = self.translator.tokenizers.src, self.defaults
     over = None if whole or d.segment_over < 0 else d.segment_over
-    lengths = [len(ids) + 1 for ids in tokenizer.encode(lines)]
-    texts, owners = sentences_lib.split_long(lines, lengths, over, self.translator.src_lang)
+    line_ids = tokenizer.encode(lines)
+    texts, owners = sentences_lib.split_long(lines, [len(ids) + 1 for ids in line_ids], over,
+                                             self.translator.src_lang)
+    piece_ids = line_ids if texts == lines else tokenizer.encode(texts)
     limit = self.translator.max_src_len
     out = []
-    for text, owner, ids in zip(texts, owners, tokenizer.encode(texts)):
+    for owner, ids in zip(owners, piece_ids):
       ids = [*ids, EOS]
       if len(ids) > limit:
         what = "a sentence of it has" if len(texts) > len(lines) else "it has"

@@ -74,7 +74,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   restored = ckpt.restore_latest(state, state_shardings)
   if restored:
     start, state, data_state = restored
-    logging.info("Resuming from the checkpoint of step %d in %s", start, ckpt.directory)
+    logging.info("Resuming from the checkpoint of step %d in %s%s", start, ckpt.directory,
+                 f" (run.init_from={run.init_from!r} is not read again)" if run.init_from else "")
     stream.set_state(data_state)
   elif source:
     start = 0

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 from absl import logging
@@ -121,18 +120,7 @@ def _restore(workdir, step: int | None, ema: bool):
   config, tokenizers, model = run.open()
   uses_ema = ema and config.step.ema_decay > 0
   key = "ema_params" if uses_ema else "params"
-  dummy = jnp.ones((1, 2), jnp.int32)
-  # Still boxed: the checkpointer turns the logical names into shardings.
-  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
-  ckpt = run.checkpointer(read_only=True)
-  mesh = sharding.make_mesh((-1, 1, 1))
-  try:
-    if step is None:  # The newest that reads back and verifies.
-      step, params = ckpt.restore_params_latest(abstract, mesh, key)
-    else:
-      params = ckpt.restore_params(step, abstract, mesh, key)
-  finally:
-    ckpt.close()
+  step, params = run.read_params(model, sharding.make_mesh((-1, 1, 1)), key, step)
   logging.info("Restored step %d from %s (%s)", step, run.checkpoints,
                "the parameters' moving average" if uses_ema else "the parameters")
   return config, tokenizers, model, step, params, uses_ema

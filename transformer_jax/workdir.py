@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -137,6 +139,21 @@ class Workdir:
     if read_only and not self.checkpoints.is_dir():
       raise WorkdirError(f"{self.path} holds no {CHECKPOINTS}/ directory")
     return checkpoint.Checkpointer(self.checkpoints, save_every, keep, read_only=read_only)
+
+  def read_params(self, model: Transformer, mesh, key: str = "params",
+                  step: int | None = None) -> tuple[int, object]:
+    """(step, parameters) of a checkpoint, sharded over `mesh` by their logical names: `step`'s,
+    or the newest that reads back and verifies. `key`: "params" or "ema_params"."""
+    dummy = jnp.ones((1, 2), jnp.int32)
+    # Still boxed: the checkpointer turns the logical names into shardings.
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
+    ckpt = self.checkpointer(read_only=True)
+    try:
+      if step is None:
+        return ckpt.restore_params_latest(abstract, mesh, key)
+      return step, ckpt.restore_params(step, abstract, mesh, key)
+    finally:
+      ckpt.close()
 
   def copy_run_files(self, to: Path, tokenizers: Tokenizers) -> None:
     """config.json and the tokenizer into the directory `to` (a derived workdir)."""
