@@ -1,0 +1,58 @@
+"""What scoring costs greedy decoding: the tokens-only decoder (`Translator.generate_ids`) against
+the scored one translate and the server use (`Translator.decode_ids`), round-robin in one process.
+
+  python benchmarks/analysis/greedy_score_cost.py runs/fra_eng --width 16 --rounds 5
+
+The sources are the workdir's validation sentences of width-8 < tokens <= width, 512 of them
+in batches of 64; each round decodes them all with each decoder; the medians are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformer_jax.generation import encode_sources  # noqa: E402
+from transformer_jax.translator import Translator, split_pairs  # noqa: E402
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("workdir")
+  parser.add_argument("--width", type=int, default=16)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+  translator = Translator(args.workdir)
+  sources = split_pairs(args.workdir, "validation")[0]
+  lengths = [len(ids) + 1 for ids in translator.tokenizers.src.encode(sources)]
+  lines = [s for s, n in zip(sources, lengths) if args.width - 8 < n <= args.width][:512]
+  src = encode_sources(translator.tokenizers.src, lines, translator.max_src_len, width=args.width)
+  max_len, params = args.width + 10, translator.all_params
+  decoders = {
+      "tokens only (generate_ids)": lambda b: translator.generate_ids(params, b, max_len, 1, 1.0),
+      "tokens and scores (decode_ids)": lambda b: translator.decode_ids(params, b, max_len, 1,
+                                                                        np.float32(1.0))[0]}
+  for decode in decoders.values():
+    np.asarray(decode(src[:64]))  # Compiles.
+  times = {name: [] for name in decoders}
+  for _ in range(args.rounds):
+    for name, decode in decoders.items():
+      start = time.perf_counter()
+      for i in range(0, len(src) - 63, 64):
+        np.asarray(decode(src[i:i + 64]))
+      times[name].append(time.perf_counter() - start)
+  base = np.median(times["tokens only (generate_ids)"])
+  print(f"{len(src) // 64 * 64} validation sources of {args.width - 7} to {args.width} tokens, "
+        f"64 a batch, greedy, median of {args.rounds} rounds")
+  for name, seconds in times.items():
+    print(f"{name:<32}{1000 * np.median(seconds):>8.0f} ms  {np.median(seconds) / base:.3f}x")
+
+
+if __name__ == "__main__":
+  main()
