@@ -142,3 +142,20 @@ def test_sampling_rejects_bad_parameters():
     decode.Sampling(temperature=0.0)
   with pytest.raises(ValueError, match="top_p"):
     decode.Sampling(top_p=0.0)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_blocked_top_k_equals_lax_top_k_ties_included(k):
+  rng = np.random.default_rng(k)
+  # A vocabulary that is no multiple of the block, and few distinct values: many ties, within
+  # blocks and across them.
+  x = jnp.asarray(rng.integers(0, 6, size=(3, 5, 2011)).astype(np.float32))
+  values, indices = decode.top_k(x, k)
+  want_values, want_indices = jax.lax.top_k(x, k)
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+  np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+  normal = jnp.asarray(rng.normal(size=(7, 8000)).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(decode.top_k(normal, k)[1]),
+                                np.asarray(jax.lax.top_k(normal, k)[1]))
+  np.testing.assert_array_equal(np.asarray(decode.Greedy()(normal, None)),
+                                np.argmax(np.asarray(normal), axis=-1))

@@ -172,12 +172,28 @@ class MultiHeadAttention(nn.Module):
     else:
       impl = attention_impl(cfg.attention_impl, cfg.dtype, q.shape[-1])
       out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
-    dt = cfg.compute_dtype
+    return self.output(out)
+
+  def attend_heads(self, q, k, v, mask):
+    """`attend` with keys and values head-major, k, v: [B, N, S, H] (decoding's cached layout:
+    the attention contracts them as they lie, with no per-step transposition of the cache).
+    The arithmetic of jax.nn.dot_product_attention's XLA implementation."""
+    logits = jnp.einsum("btnh,bnsh->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = logits * jnp.array(1.0 / np.sqrt(q.shape[-1]), logits.dtype)
+    logits = jnp.where(mask, logits, -0.7 * jnp.finfo(logits.dtype).max)  # [B, N, T, S]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(k.dtype)
+    if self.cfg.attention_weights:
+      self.sow("intermediates", "attention_weights", probs)
+    return self.output(jnp.einsum("bnts,bnsh->btnh", probs, v))
+
+  def output(self, out):
+    """The heads' outputs [B, T, N, H] -> [B, T, D] through the output projection."""
+    dt = self.cfg.compute_dtype
     # [B, T, N, H] -> [B, T, D] as one 2-D contraction over N*H (no per-call kernel copy on CPU).
     b, t, n, h = out.shape
     y = jnp.einsum("btk,kd->btd", out.reshape(b, t, n * h),
                    self.out_kernel.astype(dt).reshape(n * h, -1))
-    if cfg.attention_bias:
+    if self.cfg.attention_bias:
       y = y + self.out_bias.astype(dt)
     return y
 
@@ -256,37 +272,36 @@ class DecoderBlock(nn.Module):
         y, lambda z: self.cross_attention(z, memory, cross_mask), deterministic)
 
   def cross_kv(self, memory):
-    """memory [B, S, D] -> cross-attention keys and values [B, S, N, H], once per source."""
-    return self.cross_attention.project(memory, "key", "value")
+    """memory [B, S, D] -> cross-attention keys and values, head-major [B, N, S, H], once per
+    source."""
+    return tuple(jnp.swapaxes(x, 1, 2) for x in self.cross_attention.project(memory, "key",
+                                                                              "value"))
 
-  def step(self, y, cache, cross, index, cross_mask, layer: int | None = None):
+  def step(self, y, cache, cross, index, cross_mask):
     """One decoding position: y [B*K, 1, D] (K rows per source: beams) -> ([B*K, 1, D], cache
     with this position's k, v).
 
-    cache: {"k", "v": [B*K, layers, L, N, H]} self-attention keys/values of the positions so far;
-    cross: {"k", "v": [B, layers, S, N, H]} cross-attention keys/values, one per source (the K
-    rows of a source attend to them as K query positions: nothing is tiled or reordered);
-    cross_mask: [B, 1, 1, S]. Both this block's at `layer`; without `layer` (the body of a
-    scanned stack), this block's own: [B*K, L, N, H] and [B, S, N, H].
+    cache: {"k", "v": [B*K, N, L, H]} this block's self-attention keys/values of the positions
+    so far; cross: {"k", "v": [B, N, S, H]} its cross-attention keys/values, one per source (the
+    K rows of a source attend to them as K query positions: nothing is tiled or reordered);
+    cross_mask: [B, 1, 1, S]. Keys and values lie head-major, as the attention contracts them
+    (`attend_heads`).
     """
-    own = (lambda a: a) if layer is None else (lambda a: a[:, layer])
     new = dict(cache)
 
     def self_attend(z):  # z: [B*K, 1, D]
       q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B*K, 1, N, H] each
       for name, kv in (("k", k), ("v", v)):  # Write this position into the preallocated cache.
-        kv = kv.astype(cache[name].dtype)
-        new[name] = (lax.dynamic_update_slice(cache[name], kv, (0, index, 0, 0))
-                     if layer is None else  # [B*K, 1, N, H] -> [B*K, 1, 1, N, H]
-                     lax.dynamic_update_slice(cache[name], kv[:, None], (0, layer, index, 0, 0)))
-      filled = (jnp.arange(own(cache["k"]).shape[1]) <= index)[None, None, None, :]  # [1,1,1,L]
-      return self.self_attention.attend(q, own(new["k"]), own(new["v"]), filled)
+        kv = jnp.swapaxes(kv, 1, 2).astype(cache[name].dtype)  # [B*K, N, 1, H]
+        new[name] = lax.dynamic_update_slice(cache[name], kv, (0, 0, index, 0))
+      filled = (jnp.arange(cache["k"].shape[2]) <= index)[None, None, None, :]  # [1, 1, 1, L]
+      return self.self_attention.attend_heads(q, new["k"], new["v"], filled)
 
     def cross_attend(z):  # z: [B*K, 1, D]
       (q,) = self.cross_attention.project(z, "query")  # [B*K, 1, N, H]
       b = cross_mask.shape[0]
       q = q.reshape(b, -1, *q.shape[2:])  # [B, K, N, H]: a source's K rows as query positions
-      out = self.cross_attention.attend(q, own(cross["k"]), own(cross["v"]), cross_mask)
+      out = self.cross_attention.attend_heads(q, cross["k"], cross["v"], cross_mask)
       return out.reshape(z.shape)  # [B, K, D] -> [B*K, 1, D]
 
     y = self.self_attention_sublayer(y, self_attend, True)
@@ -311,7 +326,8 @@ class UnrolledEncoder(nn.Module):
 
 class UnrolledDecoder(nn.Module):
   """The decoder blocks one after another (parameters decoder_0, ... in the Transformer's
-  scope), with the decoding cache of a scanned stack: [B, layers, ...] arrays."""
+  scope). Decoding caches are tuples of one array per layer (a layer's slice of a stacked
+  array would be copied at every step)."""
   cfg: TransformerConfig
 
   def setup(self):
@@ -324,15 +340,20 @@ class UnrolledDecoder(nn.Module):
     return y
 
   def cross_kv(self, memory):
-    """memory [B, S, D] -> every layer's cross-attention keys and values [B, layers, S, N, H]."""
+    """memory [B, S, D] -> every layer's cross-attention keys and values: two tuples of
+    [B, N, S, H], one array per layer."""
     keys, values = zip(*(block.cross_kv(memory) for block in self.blocks))
-    return jnp.stack(keys, axis=1), jnp.stack(values, axis=1)
+    return keys, values
 
   def step(self, y, cache, cross, index, cross_mask):
-    """y [B*K, 1, D] through every layer, each writing its position into the stacked cache."""
-    for layer, block in enumerate(self.blocks):
-      y, cache = block.step(y, cache, cross, index, cross_mask, layer)
-    return y, cache
+    """y [B*K, 1, D] through every layer, each writing its position into its own cache."""
+    keys, values = [], []
+    for i, block in enumerate(self.blocks):
+      y, new = block.step(y, {"k": cache["k"][i], "v": cache["v"][i]},
+                          {"k": cross["k"][i], "v": cross["v"][i]}, index, cross_mask)
+      keys.append(new["k"])
+      values.append(new["v"])
+    return y, {"k": tuple(keys), "v": tuple(values)}
 
 
 class _EncoderLayer(nn.Module):
@@ -399,7 +420,7 @@ class ScannedDecoder(nn.Module):
     return self.run("train", y, memory, self_mask, cross_mask, deterministic=deterministic)[0]
 
   def cross_kv(self, memory):
-    """memory [B, S, D] -> every layer's cross-attention keys and values [B, layers, S, N, H]."""
+    """memory [B, S, D] -> every layer's cross-attention keys and values [B, layers, N, S, H]."""
     return self.run("cross_kv", memory)[1]
 
   def step(self, y, cache, cross, index, cross_mask):
@@ -500,18 +521,24 @@ class Transformer(nn.Module):
     """What decoding keeps of a source, computed once and never reordered: the cross-attention
     keys and values of every layer and the source mask.
 
-    memory: [B, S, D], src_segments: [B, S] (0 = padding) ->
-    {"k", "v": [B, layers, S, N, H], "valid": [B, S] bool}.
+    memory: [B, S, D], src_segments: [B, S] (0 = padding) -> {"k", "v", "valid": [B, S] bool},
+    keys and values head-major: [B, layers, N, S, H] for a scanned stack, else tuples of one
+    [B, N, S, H] per layer.
     """
-    cross_k, cross_v = self.decoder_stack.cross_kv(memory)  # [B, layers, S, N, H] each
+    cross_k, cross_v = self.decoder_stack.cross_kv(memory)
     return {"k": cross_k, "v": cross_v, "valid": src_segments > 0}
 
   def init_cache(self, rows: int, max_len: int):
-    """The decoding state of `rows` output rows for `max_len` steps: preallocated
-    self-attention keys/values {"k", "v": [rows, layers, max_len, N, H]} and the index."""
+    """The decoding state of `rows` output rows for `max_len` steps: the index and preallocated
+    self-attention keys and values "k", "v", head-major as DecoderBlock.step reads them:
+    [rows, layers, N, max_len, H] for a scanned stack, else tuples of one [rows, N, max_len, H]
+    per layer."""
     cfg = self.cfg
-    n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
-    zeros = jnp.zeros((rows, cfg.num_decoder_layers, max_len, n, h), cfg.compute_dtype)
+    n, h, layers = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.num_decoder_layers
+    if cfg.scan_layers:
+      zeros = jnp.zeros((rows, layers, n, max_len, h), cfg.compute_dtype)
+    else:
+      zeros = (jnp.zeros((rows, n, max_len, h), cfg.compute_dtype),) * layers
     return {"index": jnp.zeros((), jnp.int32), "k": zeros, "v": zeros}
 
   def decode_step(self, tokens, cache, source):
