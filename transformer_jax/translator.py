@@ -168,6 +168,13 @@ def n_best_lines(translator: Translator, lines: list[str], n: int, options: Deco
                          translate=translate, empty=[], batch_tokens=batch_tokens)
 
 
+# Beam search's batches hold this many times greedy's decoder rows: a search runs most of its
+# steps for every sentence, so larger batches waste less there than greedy's, whose rows end
+# at different steps (on the Tatoeba sources, 2 was the fastest of 1, 2, 3 and 4 with beam 4:
+# docs/translating.md).
+BEAM_BUDGET = 2
+
+
 def _translate_each(translator: Translator, lines: list[str],
                     groups: list[tuple[Sequence[int], DecodeOptions]], batch_size: int,
                     progress: bool, numbers: list[int] | None = None, translate=None,
@@ -175,7 +182,8 @@ def _translate_each(translator: Translator, lines: list[str],
   """Translates the lines of each group (their indices) with the group's options, in batches
   of lines of similar token length: one batch shape per source width (a multiple of 8), so
   one compilation each. A batch holds `batch_size` lines, or with `batch_tokens` as many as
-  fit that many decoder rows x source tokens (beams count as rows), at most `batch_size`.
+  fit that many decoder rows x source tokens, at most `batch_size`; beams count as rows, and
+  beam search gets twice the budget (BEAM_BUDGET).
   `numbers`: each line's number in warnings (default: its index + 1). `translate(texts,
   options, numbers)`: what a batch gives (default: Translator.translate); `empty`: the result
   of a blank line."""
@@ -190,7 +198,8 @@ def _translate_each(translator: Translator, lines: list[str],
       members = list(members)
       rows = batch_size
       if batch_tokens:
-        rows = max(1, min(batch_size, batch_tokens // (width * options.beam_size)))
+        budget = batch_tokens * (BEAM_BUDGET if options.beam_size > 1 else 1)
+        rows = max(1, min(batch_size, budget // (width * options.beam_size)))
       batches += [(members[i:i + rows], options, rows) for i in range(0, len(members), rows)]
   out = [empty] * len(lines)
   for batch, options, rows in tqdm.tqdm(batches, desc="translating", unit="batch",

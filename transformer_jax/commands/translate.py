@@ -94,8 +94,8 @@ def define_flags():
   flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input or --split (at "
                        "most, with --batch_tokens).")
   flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of decoder rows x "
-                       "source tokens (a beam's rows count), up to --batch_size; 0: "
-                       "--batch_size sentences in every batch.")
+                       "source tokens (a beam's rows count; beam search gets twice the budget), "
+                       "up to --batch_size; 0: --batch_size sentences in every batch.")
   flags.DEFINE_string("input", None, "File with one source sentence a line.")
   flags.DEFINE_string("output", None, "Where to write the translations of --input.")
   flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
