@@ -159,7 +159,7 @@ def main():
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
             f"alpha {alpha}; ours: batches of {args.batch_size} sentences, {args.batch_tokens} "
-            f"tokens; "
+            f"tokens (beam search twice that); "
             f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"
                                            if args.ct2_batch_tokens else
                                            f"{args.ct2_batch} sentences")

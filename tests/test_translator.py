@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer_jax import decode, generation
+from transformer_jax import translator as translator_lib
 from transformer_jax.data.tokenizer import EOS, PAD
 from transformer_jax.generation import DecodeOptions, InferenceError, encode_sources
 from transformer_jax.translator import Translator, split_pairs
@@ -130,3 +131,25 @@ def test_an_ensemble_needs_one_vocabulary(trained, tmp_path):
   with pytest.raises(InferenceError, match="has another vocabulary than .*: an ensemble needs "
                      "the same tokenizer"):
     Translator([workdir, other])
+
+
+def test_batches_fit_the_row_budget_and_beam_search_gets_twice_it(trained, sources):
+  _, workdir = trained
+  translator = Translator(workdir)
+  widths = {}
+  for line, ids in zip(sources, translator.tokenizers.src.encode(sources)):
+    widths.setdefault(-(-(len(ids) + 1) // 8) * 8, []).append(line)
+  width, lines = max(widths.items(), key=lambda item: len(item[1]))  # The most common width.
+  seen = []
+
+  def translate(texts, options, numbers):
+    seen.append((options.beam_size, len(texts)))
+    return texts
+  for beam_size in (1, 4):
+    out = translator_lib._translate_each(
+        translator, lines, [(range(len(lines)), DecodeOptions(beam_size=beam_size))],
+        batch_size=64, progress=False, translate=translate, batch_tokens=width * 8)
+    assert out == lines  # Every line once, in its place.
+  # Greedy: 8 rows of `width` tokens a batch; beam 4: twice the budget, 16 rows = 4 sentences.
+  assert {rows for beam, rows in seen if beam == 1} == {8}
+  assert {rows for beam, rows in seen if beam == 4} == {8 * translator_lib.BEAM_BUDGET // 4}

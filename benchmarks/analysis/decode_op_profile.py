@@ -43,7 +43,9 @@ hlo = decoder.lower(translator.params, src).compile().as_text()
 source = {}
 for name, op_name in re.findall(r"%([\w.-]+) = .*?op_name=\"([^\"]+)\"", hlo):
   op_name = re.sub(r"^jit\([^)]*\)/", "", op_name)
-  source[name] = re.sub(r"(while/body/|closed_call/|jit\((\w+)\)/)", "", op_name)
+  op_name = re.sub(r"(while/body/|closed_call/|jit\((\w+)\)/|Transformer\.|decoder_stack\.step/|"
+                   r"_sublayer/\w+|\.attend_heads|/dot_general)", "", op_name)
+  source[name] = re.sub(r"(decoder_\d)\.step/(decoder_\d\.)?", r"\1.", op_name)
 
 calls = 3
 with tempfile.TemporaryDirectory() as trace_dir:
@@ -60,4 +62,27 @@ total = sum(per_source.values())
 print(f"{batch} sources of width {width}, beam {beams}, alpha {alpha}: {total:.1f} ms of "
       f"compiled ops per call ({jax.devices()[0].device_kind}, {jax.__version__})")
 for name, ms in per_source.most_common(top):
+  print(f"{ms:8.2f} ms {ms / total:6.1%}  {name}")
+
+
+def part(name: str) -> str:
+  """The part of decoding a source belongs to."""
+  if name.startswith(("encode", "source_state")):
+    return "encoder and cross-attention keys/values (once a batch)"
+  if not name.startswith("decode_step"):
+    return "search: choosing tokens, reordering beams and caches, loop"
+  if "_logits" in name:
+    return "decoder: vocabulary projection"
+  if re.search(r"\.project/|/ffn/|\.output/", name):
+    return "decoder: layers' projections and feed-forward"
+  if re.search(r"attention/|self_attention/", name):
+    return "decoder: attention over cache and source"
+  return "decoder: the rest (norms, residuals, embedding, cache writes)"
+
+
+parts = collections.Counter()
+for name, ms in per_source.items():
+  parts[part(name)] += ms
+print("By part:")
+for name, ms in parts.most_common():
   print(f"{ms:8.2f} ms {ms / total:6.1%}  {name}")
