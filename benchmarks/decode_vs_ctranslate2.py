@@ -79,7 +79,7 @@ def main():
 
   from transformer_jax.commands.translate import read_lines
   from transformer_jax.generation import DecodeOptions
-  from transformer_jax.translator import Translator, translate_lines
+  from transformer_jax.translator import BEAM_BUDGET, Translator, translate_lines
 
   lines = read_lines(args.input)
   references = read_lines(args.reference) if args.reference else None
@@ -159,7 +159,7 @@ def main():
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
             f"alpha {alpha}; ours: batches of {args.batch_size} sentences, {args.batch_tokens} "
-            f"tokens (beam search twice that); "
+            f"tokens (beam search {BEAM_BUDGET}x that); "
             f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"
                                            if args.ct2_batch_tokens else
                                            f"{args.ct2_batch} sentences")

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ROOT
 from transformer_jax import export, generation
 from transformer_jax.data.tokenizer import EOS, PAD
-from transformer_jax.generation import encode_sources, strip
+from transformer_jax.generation import DecodeOptions, encode_sources, strip
 from transformer_jax.translator import Translator, split_pairs
 
 
@@ -41,7 +41,7 @@ def test_ctranslate2_greedy_outputs_equal_ours_on_the_validation_split(trained, 
   translator = Translator(workdir)
   src = encode_sources(translator.tokenizers.src, validation, translator.max_src_len)
   max_len = src.shape[1] + 10
-  ours = np.asarray(translator.generate_ids(translator.all_params, src, max_len, 1, 0.0))
+  ours = translator.decode(src, DecodeOptions(max_len=max_len))[0][:, 0]
   engine = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=2)
   pieces = translator.tokenizers.tgt.pieces()
   sources = [[pieces[i] for i in row if i > 0][:-1] for row in src]  # Without <eos>.
@@ -98,7 +98,8 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
   width = export.source_widths(translator.max_src_len)[0]
   src = encode_sources(translator.tokenizers.src, sentences, translator.max_src_len, width=width)
   for key, beam in (("greedy", 1), ("beam", 3)):
-    tokens = np.asarray(translator.generate_ids(translator.all_params, src, width + 10, beam, 0.6))
+    tokens = translator.decode(src, DecodeOptions(beam_size=beam, alpha=0.6,
+                                                  max_len=width + 10))[0][:, 0]
     assert got[key] == [translator.tokenizers.tgt.decode(strip(row)) for row in tokens], key
 
 

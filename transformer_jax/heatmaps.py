@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
-from transformer_jax.generation import encode_sources, strip  # noqa: E402
+from transformer_jax.generation import DecodeOptions, encode_sources, strip  # noqa: E402
 from transformer_jax.translator import Translator  # noqa: E402
 from transformer_jax.model import Transformer  # noqa: E402
 
@@ -39,8 +39,7 @@ def attention_maps(translator: Translator, sentence: str):
   """
   src = encode_sources(translator.tokenizers.src, [sentence], translator.max_src_len)
   src = src[:, :int((src[0] > 0).sum())]  # No padding columns in the pictures.
-  out = np.asarray(translator.generate_ids(translator.all_params, src, src.shape[1] + 10, 1,
-                                          0.0))[0]
+  out = translator.decode(src, DecodeOptions(max_len=src.shape[1] + 10))[0][0, 0]
   tgt_out = strip(out)
   tgt_in = np.array([[BOS] + tgt_out], np.int32)
   model = Transformer(dataclasses.replace(translator.model.cfg, attention_weights=True))

@@ -33,7 +33,7 @@ from transformer_jax import errors, sentences as sentences_lib
 from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.generation import DecodeOptions, strip
-from transformer_jax.translator import Translator
+from transformer_jax.translator import Translator, batch_rows
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0
@@ -77,10 +77,7 @@ class Service:
 
   def rows(self, width: int, beam_size: int) -> int:
     """The most sentences of a batch of this width and beam size (translate's rule)."""
-    if not self.settings.batch_tokens:
-      return self.settings.batch_size
-    return max(1, min(self.settings.batch_size,
-                      self.settings.batch_tokens // (width * beam_size)))
+    return batch_rows(width, beam_size, self.settings.batch_size, self.settings.batch_tokens)
 
   def _decode(self, src, beam_size, alpha):
     return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha))

@@ -21,8 +21,8 @@ import tqdm
 from absl import logging
 
 from transformer_jax import errors, sentences, sharding
-from transformer_jax.generation import (DecodeOptions, InferenceError, encode_sources, generate,
-                                        scored, strip)
+from transformer_jax.generation import (DecodeOptions, InferenceError, encode_sources, scored,
+                                        strip)
 from transformer_jax.workdir import Workdir
 
 
@@ -72,12 +72,6 @@ class Translator:
     """The source language's code (e.g. "en"), from the dataset the model was trained on."""
     from transformer_jax.data.sources import DATASETS  # tfds: imported only when asked.
     return DATASETS[self.config.data.dataset].src_lang
-
-  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-  def generate_ids(self, params, src, max_len, beam_size, alpha):
-    """params: `all_params`; src [B, S] -> best output tokens [B, max_len]; compiled once per
-    shape and options."""
-    return generate(self.models, params, src, max_len, beam_size, alpha)
 
   @functools.partial(jax.jit, static_argnums=(0, 3, 4))
   def decode_ids(self, params, src, max_len, beam_size, alpha):
@@ -175,15 +169,23 @@ def n_best_lines(translator: Translator, lines: list[str], n: int, options: Deco
 BEAM_BUDGET = 2
 
 
+def batch_rows(width: int, beam_size: int, batch_size: int, batch_tokens: int) -> int:
+  """The sentences of a batch of sources of this width (tokens, a multiple of 8): `batch_size`,
+  or with `batch_tokens` as many as fit that many decoder rows x source tokens, at most
+  `batch_size`; beams count as rows, and beam search gets BEAM_BUDGET times the budget."""
+  if not batch_tokens:
+    return batch_size
+  budget = batch_tokens * (BEAM_BUDGET if beam_size > 1 else 1)
+  return max(1, min(batch_size, budget // (width * beam_size)))
+
+
 def _translate_each(translator: Translator, lines: list[str],
                     groups: list[tuple[Sequence[int], DecodeOptions]], batch_size: int,
                     progress: bool, numbers: list[int] | None = None, translate=None,
                     empty="", batch_tokens: int = 0) -> list:
   """Translates the lines of each group (their indices) with the group's options, in batches
   of lines of similar token length: one batch shape per source width (a multiple of 8), so
-  one compilation each. A batch holds `batch_size` lines, or with `batch_tokens` as many as
-  fit that many decoder rows x source tokens, at most `batch_size`; beams count as rows, and
-  beam search gets twice the budget (BEAM_BUDGET).
+  one compilation each, of `batch_rows` lines.
   `numbers`: each line's number in warnings (default: its index + 1). `translate(texts,
   options, numbers)`: what a batch gives (default: Translator.translate); `empty`: the result
   of a blank line."""
@@ -196,10 +198,7 @@ def _translate_each(translator: Translator, lines: list[str],
     width_of = lambda i: -(-lengths[i] // 8) * 8
     for width, members in itertools.groupby(order, key=width_of):
       members = list(members)
-      rows = batch_size
-      if batch_tokens:
-        budget = batch_tokens * (BEAM_BUDGET if options.beam_size > 1 else 1)
-        rows = max(1, min(batch_size, budget // (width * options.beam_size)))
+      rows = batch_rows(width, options.beam_size, batch_size, batch_tokens)
       batches += [(members[i:i + rows], options, rows) for i in range(0, len(members), rows)]
   out = [empty] * len(lines)
   for batch, options, rows in tqdm.tqdm(batches, desc="translating", unit="batch",

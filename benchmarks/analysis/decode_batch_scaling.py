@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformer_jax.generation import DecodeOptions, encode_sources  # noqa: E402
+from benchmarks.common import sources_of_width  # noqa: E402
+from transformer_jax.generation import DecodeOptions  # noqa: E402
 from transformer_jax.translator import Translator, split_pairs  # noqa: E402
 
 
@@ -31,10 +32,8 @@ def main() -> None:
   parser.add_argument("--alpha", type=float, default=1.0)
   args = parser.parse_args()
   translator = Translator(args.workdir)
-  sources = split_pairs(args.workdir, "validation")[0]
-  lengths = [len(ids) + 1 for ids in translator.tokenizers.src.encode(sources)]
-  lines = [s for s, n in zip(sources, lengths) if args.width - 8 < n <= args.width]
-  src = encode_sources(translator.tokenizers.src, lines, translator.max_src_len, width=args.width)
+  lines, src = sources_of_width(translator, split_pairs(args.workdir, "validation")[0],
+                                args.width)
   print(f"{len(lines)} validation sources of {args.width - 7} to {args.width} tokens")
   print(f"{'beam':>5}{'rows':>6}{'sentences/s':>13}{'ms a batch':>12}{'vs 1 row':>10}")
   for beam in map(int, args.beam_sizes.split(",")):

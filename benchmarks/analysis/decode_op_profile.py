@@ -18,21 +18,20 @@ from pathlib import Path
 
 import jax
 
-from transformer_jax import generation
-from transformer_jax.commands.translate import read_lines
-from transformer_jax.translator import Translator
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common import sources_of_width  # noqa: E402
+from transformer_jax import generation  # noqa: E402
+from transformer_jax.commands.translate import read_lines  # noqa: E402
+from transformer_jax.translator import Translator  # noqa: E402
 
 workdir, path = sys.argv[1], sys.argv[2]
 batch, beams, width = (int(x) for x in sys.argv[3:6]) if len(sys.argv) > 5 else (64, 4, 16)
 top = int(sys.argv[6]) if len(sys.argv) > 6 else 25
 translator = Translator(workdir)
-tokenizer = translator.tokenizers.src
-lines = read_lines(path)
-lines = [line for line, ids in zip(lines, tokenizer.encode(lines))
-         if line.strip() and -(-(len(ids) + 1) // 8) * 8 == width][:batch]
+lines, src = sources_of_width(translator, read_lines(path), width, batch)
 if len(lines) < batch:
   sys.exit(f"{path} has {len(lines)} lines of width {width}, fewer than {batch}")
-src = generation.encode_sources(tokenizer, lines, translator.max_src_len, width=width)
 alpha = translator.config.decode.alpha
 decoder = jax.jit(lambda params, src: generation.scored(
     translator.model, params, src, width + 10, beams, alpha))

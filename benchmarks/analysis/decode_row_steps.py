@@ -25,7 +25,7 @@ def translate(sentences, options=DecodeOptions(), numbers=None):
   global computed, needed, batches
   src = encode_sources(translator.tokenizers.src, sentences, translator.max_src_len)
   max_len = src.shape[1] + options.max_len_margin
-  tokens = np.asarray(translator.generate_ids(translator.all_params, src, max_len, 1, 0.0))
+  tokens = translator.decode(src, DecodeOptions(max_len=max_len))[0][:, 0]
   lengths = [min(len(strip(row)) + 1, max_len) for row in tokens]
   computed += len(sentences) * max(lengths)
   real = len(set(numbers))  # The rows padding a batch repeat its first line number.

@@ -1,5 +1,6 @@
-"""What scoring costs greedy decoding: the tokens-only decoder (`Translator.generate_ids`) against
-the scored one translate and the server use (`Translator.decode_ids`), round-robin in one process.
+"""What scoring costs greedy decoding: the tokens-only decoder (`generation.generate`, jitted
+here) against the scored one translate and the server use (`Translator.decode_ids`),
+round-robin in one process.
 
   python benchmarks/analysis/greedy_score_cost.py runs/fra_eng --width 16 --rounds 5
 
@@ -14,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformer_jax.generation import encode_sources  # noqa: E402
+from benchmarks.common import sources_of_width  # noqa: E402
+from transformer_jax.generation import generate  # noqa: E402
 from transformer_jax.translator import Translator, split_pairs  # noqa: E402
 
 
@@ -29,13 +32,12 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=5)
   args = parser.parse_args()
   translator = Translator(args.workdir)
-  sources = split_pairs(args.workdir, "validation")[0]
-  lengths = [len(ids) + 1 for ids in translator.tokenizers.src.encode(sources)]
-  lines = [s for s, n in zip(sources, lengths) if args.width - 8 < n <= args.width][:512]
-  src = encode_sources(translator.tokenizers.src, lines, translator.max_src_len, width=args.width)
+  lines, src = sources_of_width(translator, split_pairs(args.workdir, "validation")[0],
+                                args.width, 512)
   max_len, params = args.width + 10, translator.all_params
+  tokens_only = jax.jit(lambda params, src: generate(translator.models, params, src, max_len))
   decoders = {
-      "tokens only (generate_ids)": lambda b: translator.generate_ids(params, b, max_len, 1, 1.0),
+      "tokens only (generate)": lambda b: tokens_only(params, b),
       "tokens and scores (decode_ids)": lambda b: translator.decode_ids(params, b, max_len, 1,
                                                                         np.float32(1.0))[0]}
   for decode in decoders.values():
@@ -47,7 +49,7 @@ def main() -> None:
       for i in range(0, len(src) - 63, 64):
         np.asarray(decode(src[i:i + 64]))
       times[name].append(time.perf_counter() - start)
-  base = np.median(times["tokens only (generate_ids)"])
+  base = np.median(times["tokens only (generate)"])
   print(f"{len(src) // 64 * 64} validation sources of {args.width - 7} to {args.width} tokens, "
         f"64 a batch, greedy, median of {args.rounds} rounds")
   for name, seconds in times.items():

@@ -16,7 +16,8 @@ t = Translator(W, ema=False)
 def translate(self, sentences, options=DecodeOptions(), numbers=None):
   src = encode_sources(self.tokenizers.src, sentences, self.max_src_len, numbers=numbers)
   max_len = int(ratio * src.shape[1]) + options.max_len_margin
-  tokens = np.asarray(self.generate_ids(self.all_params, src, max_len, options.beam_size, options.alpha))
+  tokens = self.decode(src, DecodeOptions(beam_size=options.beam_size, alpha=options.alpha,
+                                          max_len=max_len))[0][:, 0]
   return [self.tokenizers.tgt.decode(tr_mod.strip(row)) for row in tokens]
 Translator.translate = translate
 if split == 'validation':
