@@ -18,21 +18,23 @@ class FakeDecoder:
 
   def __init__(self):
     self.batches = []
+    self.widths = []  # Each batch's rows' own widths.
     self.release = threading.Event()
     self.warm = True
 
-  def __call__(self, src, beam_size, alpha):
+  def __call__(self, src, widths, beam_size, alpha):
     if not self.warm:
       self.release.wait(30)
       self.batches.append((src.shape, beam_size, alpha, src[:, 0].tolist()))
+      self.widths.append(widths.tolist())
     tokens = np.repeat(src[:, None, :], beam_size, axis=1)  # [R, K, W]
     scores = np.tile(-np.arange(beam_size, dtype=np.float32), (len(src), 1))
     return tokens, scores
 
 
-def _batcher(decoder, join=True, max_queue=64, max_wait=0.0):
+def _batcher(decoder, join=True, max_queue=64, max_wait=0.0, decoders=1, join_widths=True):
   batcher = Batcher(decoder, lambda width, beam: 64 // (width * beam) or 1, max_queue, max_wait,
-                    join_requests=join)
+                    join_requests=join, decoders=decoders, join_widths=join_widths)
   batcher.start([(8, 1), (16, 1), (8, 2)])
   while not batcher.ready:
     assert batcher.error is None
@@ -85,6 +87,62 @@ def test_waiting_requests_of_a_kind_are_decoded_together_and_padded_to_a_bucket(
   assert [row[0][0][0] for row in results[4]] == [20, 21]
 
 
+def test_pieces_of_other_widths_fill_a_batch_after_those_of_its_own_width():
+  decoder = FakeDecoder()
+  batcher = _batcher(decoder)
+  busy = batcher.submit([_piece(99, beam=2)])  # Holds the decoder while the others queue.
+  while batcher.queued():
+    time.sleep(0.01)
+  # Width 8 holds 8 rows, width 16 holds 4: the first three (width 8, 16, 8) fit a batch of
+  # width 16, the fourth (width 16) would make it 5 rows.
+  jobs = [batcher.submit([_piece(10, width=8)]), batcher.submit([_piece(11, width=16)]),
+          batcher.submit([_piece(12, width=8)]), batcher.submit([_piece(13, width=16)]),
+          batcher.submit([_piece(14, width=8)])]
+  decoder.release.set()
+  results = [job.future.result(30) for job in [busy, *jobs]]
+  batcher.stop()
+  # Its own width's pieces first (10, 12, 14), then the width-16 one that fits; each row
+  # decoded with its own width (the padding row copies the first's).
+  assert decoder.batches[1:] == [((4, 16), 1, 0.6, [10, 12, 14, 11]), ((1, 16), 1, 0.6, [13])]
+  assert decoder.widths[1:] == [[8, 8, 8, 16], [16]]
+  assert [r[0][0][0][0] for r in results[1:]] == [10, 11, 12, 13, 14]
+
+
+def test_without_joining_widths_a_batch_holds_one_width():
+  decoder = FakeDecoder()
+  batcher = _batcher(decoder, join_widths=False)
+  job = batcher.submit([_piece(20, width=8), _piece(21, width=16), _piece(22, width=8)])
+  decoder.release.set()
+  job.future.result(30)
+  batcher.stop()
+  assert [b[3] for b in decoder.batches] == [[20, 22], [21]]
+
+
+def test_several_decoders_decode_batches_at_once_and_share_the_queue():
+  decoder = FakeDecoder()
+  both = threading.Barrier(2, timeout=30)  # Passed only when two batches decode at once.
+  shapes = []
+
+  def together(src, widths, beam_size, alpha):
+    if not decoder.warm:
+      shapes.append(src[:, 0].tolist())
+      both.wait()
+    return decoder(src, widths, beam_size, alpha)
+
+  batcher = _batcher(decoder, decoders=2)
+  batcher._decode = together
+  decoder.release.set()
+  # Eight queued pieces at once: the first decoder takes its share, 4 (half of the queued
+  # and decoding pieces), the second the other 4; both batches then meet at the barrier.
+  with batcher._cond:  # Queued before either decoder can look.
+    jobs = [batcher.submit([_piece(30 + i)]) for i in range(8)]
+  results = [job.future.result(30) for job in jobs]
+  batcher.stop()
+  assert sorted(shapes) == [[30, 31, 32, 33], [34, 35, 36, 37]]
+  assert [r[0][0][0][0] for r in results] == list(range(30, 38))
+  assert batcher.stats().batches == 2 and batcher.stats().sentences == 8
+
+
 def test_a_batch_of_3_is_padded_to_4_rows_with_copies_of_its_first():
   decoder = FakeDecoder()
   batcher = _batcher(decoder)
@@ -125,11 +183,11 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_still_runs():
   batcher = _batcher(decoder)
   calls = []
 
-  def flaky(src, beam_size, alpha):
+  def flaky(src, widths, beam_size, alpha):
     calls.append(src[0, 0])
     if len(calls) == 1:
       raise RuntimeError("out of memory")
-    return decoder(src, beam_size, alpha)
+    return decoder(src, widths, beam_size, alpha)
 
   batcher._decode = flaky
   decoder.release.set()
@@ -141,12 +199,12 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_still_runs():
 
 
 def test_a_decoder_that_cannot_compile_leaves_the_server_unready_with_the_reason():
-  def broken(src, beam_size, alpha):
+  def broken(src, widths, beam_size, alpha):
     raise ValueError("no such shape")
 
   batcher = Batcher(broken, lambda width, beam: 4, 8, 0.0)
   batcher.start([(8, 1)])
-  batcher._thread.join(30)
+  batcher._threads[0].join(30)
   assert not batcher.ready and isinstance(batcher.error, ValueError)
   with pytest.raises(NotReady, match="the decoder stopped"):
     batcher.submit([_piece(70)])

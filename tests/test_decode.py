@@ -159,3 +159,25 @@ def test_blocked_top_k_equals_lax_top_k_ties_included(k):
                                 np.asarray(jax.lax.top_k(normal, k)[1]))
   np.testing.assert_array_equal(np.asarray(decode.Greedy()(normal, None)),
                                 np.argmax(np.asarray(normal), axis=-1))
+
+
+def test_each_row_stops_at_its_own_limit_as_it_would_at_max_len():
+  table = _random_table(11, length=6)
+  table[:, :, EOS] -= 8.0  # Rarely ending: the limits decide the lengths.
+  fake = _fake_model(table)
+  limits = jnp.array([2, 4, 6])
+  many = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((3,))}
+  one = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
+  tokens, logprob = decode.sample_scored(fake, many, 3, 6, SPECIALS, limits=limits)
+  beams, scores = decode.beam_search(fake, many, 3, 6, SPECIALS, beam_size=3, alpha=0.6,
+                                     limits=limits)
+  for row, limit in enumerate(limits.tolist()):
+    alone, alone_logprob = decode.sample_scored(fake, one, 1, limit, SPECIALS)
+    np.testing.assert_array_equal(np.asarray(tokens[row, :limit]), np.asarray(alone[0]))
+    assert not np.asarray(tokens[row, limit:]).any()  # <pad> after the limit.
+    np.testing.assert_allclose(float(logprob[row]), float(alone_logprob[0]), rtol=1e-6)
+    alone, alone_scores = decode.beam_search(fake, one, 1, limit, SPECIALS, beam_size=3,
+                                             alpha=0.6)
+    np.testing.assert_array_equal(np.asarray(beams[row, :, :limit]), np.asarray(alone[0]))
+    np.testing.assert_allclose(np.asarray(scores[row]), np.asarray(alone_scores[0]), rtol=1e-6)
+  assert not np.asarray(tokens == EOS).any()  # Every row was cut by its limit, none ended.

@@ -152,6 +152,10 @@ def test_health_ready_and_info(server):
   assert status == 200 and ready["ready"] and ready["shapes_compiled"] == ready["shapes"] > 0
   status, info = get(server, "/info")
   assert status == 200 and info["max_len"] == 32 and info["settings"]["beam_sizes"] == [1, 4]
+  assert info["settings"]["decoders"] == 2 and info["settings"]["join_widths"]
+  status, stats = get(server, "/stats")
+  assert status == 200 and set(stats) == {"batches", "sentences", "rows", "decode_s"}
+  assert stats["rows"] >= stats["sentences"] >= stats["batches"]
 
 
 def _wait_queued(port, count, timeout=60):
@@ -173,13 +177,19 @@ def _send_in_thread(port, request, results, key):
 
 def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, short, sources,
                                                          expected):
-  # A partial batch waits 3 s for company, so the first request's 4 sentences stay queued.
+  # With one decoder a partial batch waits 3 s for company, so the first request's 4
+  # sentences stay queued (two decoders would each take their share at once).
   _, workdir = trained
   process, port, log = _serve(workdir, tmp_path, "--max_queue=4", "--max_sentences=4",
-                              "--max_wait_ms=3000")
+                              "--max_wait_ms=3000", "--decoders=1")
+  lengths = [len(ids) + 1 for ids in Workdir(workdir).tokenizers().src.encode(sources)]
+  narrow = [s for s, n in zip(sources, lengths) if n <= 8]
+  wide = [s for s, n in zip(sources, lengths) if 8 < n <= 16]
+  mixed = [*narrow[:2], *wide[:2]]  # Source widths 8 and 16: decoded as one batch.
+  assert len(mixed) == 4
   try:
     results = {}
-    first = _send_in_thread(port, {"sentences": short[:4], "beam_size": 1}, results, "first")
+    first = _send_in_thread(port, {"sentences": mixed, "beam_size": 1}, results, "first")
     _wait_queued(port, 4)
     connection = _connection(port)
     status, body, headers = post(connection, {"sentences": short[4:5], "beam_size": 1})
@@ -190,7 +200,8 @@ def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, shor
     status, body = results["first"]
     assert status == 200
     assert [t["text"] for t in body["translations"]] == [
-        expected[1][sources.index(s)] for s in short[:4]]
+        expected[1][sources.index(s)] for s in mixed]
+    assert get(port, "/stats")[1]["batches"] == 1
   finally:
     assert stop_server(process) == 0, log.read_text()[-3000:]
 
@@ -198,7 +209,7 @@ def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, shor
 def test_sigterm_answers_the_requests_in_flight_then_exits_0(trained, tmp_path, short, sources,
                                                               expected):
   _, workdir = trained
-  process, port, log = _serve(workdir, tmp_path, "--max_wait_ms=3000")
+  process, port, log = _serve(workdir, tmp_path, "--max_wait_ms=3000", "--decoders=1")
   results, threads = {}, []
   for r in range(3):
     threads.append(_send_in_thread(

@@ -153,3 +153,28 @@ def test_batches_fit_the_row_budget_and_beam_search_gets_twice_it(trained, sourc
   # Greedy: 8 rows of `width` tokens a batch; beam 4: twice the budget, 16 rows = 4 sentences.
   assert {rows for beam, rows in seen if beam == 1} == {8}
   assert {rows for beam, rows in seen if beam == 4} == {8 * translator_lib.BEAM_BUDGET // 4}
+
+
+def test_rows_of_different_widths_in_one_batch_decode_as_in_their_own(trained, sources):
+  """The server joins sources of several widths into one batch: each row keeps its own width's
+  output limit (a margin of 1 token makes the limits bite)."""
+  _, workdir = trained
+  translator = Translator(workdir)
+  longer = [" ".join(sources[:n]) for n in range(1, 9)]
+  by_width = {}  # The first of the longer and longer lines of each width the model takes.
+  for line, ids in zip(longer, translator.tokenizers.src.encode(longer)):
+    width = -(-(len(ids) + 1) // 8) * 8
+    if width <= translator.max_src_len:
+      by_width.setdefault(width, line)
+  assert len(by_width) >= 3
+  widths, lines = map(list, zip(*sorted(by_width.items())))
+  joined = encode_sources(translator.tokenizers.src, lines, translator.max_src_len)
+  for beam_size in (1, 4):
+    options = DecodeOptions(beam_size=beam_size, alpha=ALPHA, max_len_margin=1)
+    tokens, scores = translator.decode(joined, options, widths=np.array(widths))
+    for i, (line, width) in enumerate(zip(lines, widths)):
+      own = encode_sources(translator.tokenizers.src, [line], translator.max_src_len, width)
+      own_tokens, own_scores = translator.decode(own, options)
+      np.testing.assert_array_equal(tokens[i, :, :width + 1], own_tokens[0])
+      assert not tokens[i, :, width + 1:].any()
+      np.testing.assert_allclose(scores[i], own_scores[0], rtol=1e-5)

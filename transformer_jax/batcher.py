@@ -1,15 +1,20 @@
 """Dynamic batching for serving: the sentences of concurrent requests joined into decoder batches.
 
-Requests hand in sentences as token ids (a `Piece` each); one decoder thread takes the oldest
-waiting piece and the other waiting pieces of its kind (source width, beam size, alpha), up to
-the rows its width allows, waiting up to `max_wait` seconds for more when fewer are there, and
-decodes them as one batch padded to the next of a few row counts (powers of 2). Every (width, beam size, rows)
-shape is compiled before the first request is taken (`warm_up`), so no request waits on a
-compilation. The queue holds at most `max_queue` pieces: a request that would overflow it is
+Requests hand in sentences as token ids (a `Piece` each); a decoder thread takes the oldest
+waiting piece and the other waiting pieces with its decoding options (beam size, alpha): those
+of its source width first, then (`join_widths`) those of other widths, up to the rows the
+batch's width (its widest piece's) allows, waiting up to `max_wait` seconds for more when
+fewer are there, and decodes them as one batch padded to the next of a few row counts (powers
+of 2). Each row keeps its own width's output limit, so a sentence's translation does not
+depend on what it is batched with. `decoders`
+threads do this at once: on a CPU one batch's decoding loop leaves cores idle between its small
+steps, and a second batch fills them. Every (width, beam size, rows) shape is compiled before
+the first request is taken (`warm_up`), so no request waits on a compilation. The queue holds at most `max_queue` pieces: a request that would overflow it is
 refused whole (`QueueFull`), so memory stays bounded.
 
-Nothing here knows the model or HTTP: `decode(src [R, W], beam_size, alpha) -> (tokens
-[R, K, L], scores [R, K])` is the caller's.
+Nothing here knows the model or HTTP: `decode(src [R, W], widths [R], beam_size, alpha) ->
+(tokens [R, K, L], scores [R, K])` is the caller's, `widths` being each row's own width (at
+most W).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from absl import logging
 
-Decode = Callable[[np.ndarray, int, float], tuple[np.ndarray, np.ndarray]]
+Decode = Callable[[np.ndarray, np.ndarray, int, float], tuple[np.ndarray, np.ndarray]]
 
 
 class QueueFull(Exception):
@@ -48,7 +53,8 @@ def row_buckets(full: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-  """Pieces decoded together: the same source width (a multiple of 8) and decoding options."""
+  """A piece's source width (a multiple of 8) and decoding options: pieces of the same options
+  share batches (of one width unless `join_widths`)."""
   width: int
   beam_size: int
   alpha: float
@@ -56,12 +62,44 @@ class Kind:
 
 class Job:
   """One request's pieces; `future` gets a list of (tokens [K, L], scores [K]), one per piece
-  in order, when the last of them is decoded."""
+  in order, when the last of them is decoded, or the exception of the first that failed. Its
+  methods are called under the batcher's lock; the future is set outside it."""
 
   def __init__(self, count: int):
     self.results: list = [None] * count
     self.remaining = count
+    self.failed = False
     self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+  def add(self, index: int, result) -> bool:
+    """Records one piece's result; True when that completes the job (set its future)."""
+    if self.failed:
+      return False
+    self.results[index] = result
+    self.remaining -= 1
+    return not self.remaining
+
+  def claim_failure(self) -> bool:
+    """Marks the job failed; True the first time (set its future's exception then)."""
+    if self.failed or not self.remaining:
+      return False
+    self.failed = True
+    return True
+
+
+@dataclasses.dataclass
+class Stats:
+  """What the decoder threads did since start-up (warm-up not counted)."""
+  batches: int = 0
+  sentences: int = 0
+  rows: int = 0  # Padded rows included.
+  decode_s: float = 0.0  # Summed over the threads.
+
+  def add(self, sentences: int, rows: int, seconds: float) -> None:
+    self.batches += 1
+    self.sentences += sentences
+    self.rows += rows
+    self.decode_s += seconds
 
 
 @dataclasses.dataclass
@@ -77,36 +115,49 @@ class Batcher:
   """Joins pieces into batches and decodes them on a thread of its own."""
 
   def __init__(self, decode: Decode, rows: Callable[[int, int], int], max_queue: int,
-               max_wait: float, join_requests: bool = True):
-    """`rows(width, beam_size)`: the most rows of a batch of that kind. `join_requests`
-    False decodes one request at a time (its pieces of a kind form a batch of their own)."""
+               max_wait: float, join_requests: bool = True, decoders: int = 1,
+               join_widths: bool = True):
+    """`rows(width, beam_size)`: the most rows of a batch of that width. `join_requests`
+    False decodes one request at a time (its pieces form batches of their own). `decoders`:
+    batches decoded at once, each by a thread of its own. `join_widths` False: a batch holds
+    one source width."""
+    if decoders < 1:
+      raise ValueError(f"decoders must be at least 1, got {decoders}")
     self._decode, self._rows = decode, rows
     self.max_queue, self.max_wait, self.join_requests = max_queue, max_wait, join_requests
+    self.decoders, self.join_widths = decoders, join_widths
     self._queue: collections.deque[Piece] = collections.deque()
     self._cond = threading.Condition()
     self._stopping = False
-    self._thread: threading.Thread | None = None
+    self._threads: list[threading.Thread] = []
+    self._decoding = 0  # Pieces in the batches being decoded.
     self.shapes_total = 0
     self.shapes_done = 0
     self.ready = False
-    self.error: BaseException | None = None  # What stopped the decoder thread, if anything.
+    self.error: BaseException | None = None  # What stopped a decoder thread, if anything.
+    self._stats = Stats()
 
   def start(self, kinds: Sequence[tuple[int, int]]) -> None:
-    """Starts the decoder thread: it compiles every (width, beam size) of `kinds` at every row
-    bucket, then serves."""
+    """Starts the first decoder thread: it compiles every (width, beam size) of `kinds` at
+    every row bucket, starts the other decoder threads, then serves."""
     shapes = [(w, k, r) for w, k in kinds for r in row_buckets(self._rows(w, k))]
     self.shapes_total = len(shapes)
-    self._thread = threading.Thread(target=self._main, args=(shapes,), name="decoder",
-                                    daemon=True)
-    self._thread.start()
+    self._threads = [threading.Thread(target=self._main, args=(shapes,), name="decoder-0",
+                                      daemon=True)]
+    self._threads[0].start()
 
   def stop(self) -> None:
-    """Decodes what is queued, then ends the thread (and waits for it)."""
+    """Decodes what is queued, then ends the threads (and waits for them)."""
     with self._cond:
       self._stopping = True
       self._cond.notify_all()
-    if self._thread is not None:
-      self._thread.join()
+    for thread in list(self._threads):  # The first: it starts the others, or none once stopping.
+      thread.join()
+
+  def stats(self) -> Stats:
+    """A copy of the decoder threads' counters."""
+    with self._cond:
+      return dataclasses.replace(self._stats)
 
   def queued(self) -> int:
     return len(self._queue)
@@ -128,20 +179,27 @@ class Batcher:
       self._cond.notify_all()
     return job
 
-  def _main(self, shapes) -> None:
+  def _main(self, shapes=None) -> None:
     try:
-      self._warm_up(shapes)
+      if shapes is not None:
+        self._warm_up(shapes)
+        with self._cond:
+          if self.ready and not self._stopping:
+            for i in range(1, self.decoders):
+              thread = threading.Thread(target=self._main, name=f"decoder-{i}", daemon=True)
+              self._threads.append(thread)
+              thread.start()
       while (batch := self._next_batch()) is not None:
         self._run(batch)
     except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
-      logging.exception("the decoder thread stopped")
-      self.error = e
+      logging.exception("a decoder thread stopped")
       with self._cond:
+        self.error = e
         self.ready = False
-        for piece in self._queue:
-          if not piece.job.future.done():
-            piece.job.future.set_exception(e)
+        failed = [piece.job for piece in self._queue if piece.job.claim_failure()]
         self._queue.clear()
+      for job in failed:
+        job.future.set_exception(e)
 
   def _warm_up(self, shapes) -> None:
     start = time.monotonic()
@@ -150,7 +208,7 @@ class Batcher:
         return
       src = np.zeros((rows, width), np.int32)
       src[:, :2] = (3, 2)  # One token then <eos>: each row ends within a few steps.
-      self._decode(src, beam_size, 0.6)
+      self._decode(src, np.full(rows, width), beam_size, 0.6)
       self.shapes_done += 1
     logging.info("compiled %d decoder shapes in %.1f s; ready", len(shapes),
                  time.monotonic() - start)
@@ -167,39 +225,76 @@ class Batcher:
           self._cond.wait()
           continue
         first = self._queue[0]
-        full = self._rows(first.kind.width, first.kind.beam_size)
-        same = [p for p in self._queue if p.kind == first.kind
-                and (self.join_requests or p.job is first.job)]
+        batch, full = self._fill(first)
         wait = first.arrived + self.max_wait - time.monotonic()
-        if len(same) < full and wait > 0 and self.join_requests and not self._stopping:
+        if not full and wait > 0 and self.join_requests and not self._stopping:
           self._cond.wait(wait)
           continue
-        batch = same[:full]
+        self._decoding += len(batch)
         taken = set(map(id, batch))
         self._queue = collections.deque(p for p in self._queue if id(p) not in taken)
         return batch
 
+  def _fill(self, first: Piece) -> tuple[list[Piece], bool]:
+    """The batch `first` heads (queued pieces it may share a batch with, its width's first,
+    each in queue order, while the batch's rows allow) and whether it is full."""
+    options = (first.kind.beam_size, first.kind.alpha)
+    mates = [p for p in self._queue if (p.kind.beam_size, p.kind.alpha) == options
+             and (self.join_requests or p.job is first.job)
+             and (self.join_widths or p.kind.width == first.kind.width)]
+    mates.sort(key=lambda p: p.kind.width != first.kind.width)  # Stable: queue order kept.
+    share = self._share()
+    limit = lambda width: (self._rows(width, first.kind.beam_size) if share is None
+                           else self._bucket(width, first.kind.beam_size, share))
+    batch, width = [], 0
+    for piece in mates:
+      wider = max(width, piece.kind.width)
+      if len(batch) < limit(wider):
+        batch.append(piece)
+        width = wider
+    return batch, len(batch) == limit(width)
+
+  def _share(self) -> int | None:
+    """With several decoders, the pieces one batch should take (None: as many as fit): the
+    queued and the decoding pieces shared evenly between the decoders (a CPU decodes two
+    batches of 8 faster than one of 16). Without it, one batch would take everything and
+    leave the other decoders idle."""
+    if self.decoders == 1:
+      return None
+    return max(1, -(-(len(self._queue) + self._decoding) // self.decoders))
+
+  def _bucket(self, width: int, beam_size: int, count: int) -> int:
+    """The rows a batch of `count` pieces of this width is padded to (at most the full batch)."""
+    buckets = row_buckets(self._rows(width, beam_size))
+    return next((r for r in buckets if r >= count), buckets[-1])
+
   def _run(self, batch: list[Piece]) -> None:
     kind = batch[0].kind
-    rows = next(r for r in row_buckets(self._rows(kind.width, kind.beam_size))
-                if r >= len(batch))
-    src = np.zeros((rows, kind.width), np.int32)
-    for i, piece in enumerate(batch):
+    width = max(p.kind.width for p in batch)
+    rows = self._bucket(width, kind.beam_size, len(batch))
+    src = np.zeros((rows, width), np.int32)
+    widths = np.full(rows, batch[0].kind.width)  # Padding rows: copies of the first (their
+    for i, piece in enumerate(batch):            # output is dropped).
       src[i, :len(piece.ids)] = piece.ids
-    src[len(batch):] = src[0]  # Padding rows: copies of the first (their output is dropped).
+      widths[i] = piece.kind.width
+    src[len(batch):] = src[0]
+    start = time.monotonic()
     try:
-      tokens, scores = self._decode(src, kind.beam_size, kind.alpha)
+      tokens, scores = self._decode(src, widths, kind.beam_size, kind.alpha)
     except Exception as e:  # noqa: BLE001 -- a failed batch fails its requests, not the server.
       logging.exception("decoding a batch of %d failed", len(batch))
-      for piece in batch:
-        if not piece.job.future.done():
-          piece.job.future.set_exception(e)
+      with self._cond:
+        self._decoding -= len(batch)
+        failed = {id(p.job): p.job for p in batch if p.job.claim_failure()}
+      for job in failed.values():
+        job.future.set_exception(e)
       return
-    for i, piece in enumerate(batch):
-      job = piece.job
-      if job.future.done():  # Another of its pieces failed.
-        continue
-      job.results[piece.index] = (tokens[i], scores[i])
-      job.remaining -= 1
-      if not job.remaining:
-        job.future.set_result(job.results)
+    done = []
+    with self._cond:  # Another thread may be finishing other pieces of the same jobs.
+      self._decoding -= len(batch)
+      self._stats.add(len(batch), rows, time.monotonic() - start)
+      for i, piece in enumerate(batch):
+        if piece.job.add(piece.index, (tokens[i], scores[i])):
+          done.append(piece.job)
+    for job in done:
+      job.future.set_result(job.results)

@@ -78,18 +78,21 @@ def sample(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: in
 
 
 def sample_scored(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
-                  specials: Specials, sampler=Greedy(),
-                  rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  specials: Specials, sampler=Greedy(), rng: jax.Array | None = None,
+                  limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """`sample`, with each row's log-probability under the model: (tokens [B, max_len],
-  log-probabilities [B], the sum over the tokens up to and with <eos>)."""
+  log-probabilities [B], the sum over the tokens up to and with <eos>). `limits` [B] (at most
+  max_len): each row's own length limit; a row stops there as it would at max_len."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
+  limits = jnp.full((batch_size,), max_len) if limits is None else limits
 
   def cond(state):
     t, _, _, done, _, _ = state
-    return (t < max_len) & ~jnp.all(done)
+    return (t < max_len) & ~jnp.all(done | (t >= limits))
 
   def body(state):
     t, cache, last, done, out, logprob = state
+    done = done | (t >= limits)
     logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
     token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
     # The chosen token's log-probability, without writing the [B, V] log-softmax.
@@ -147,17 +150,19 @@ def tile_beams(tree, beams: int):
 
 
 def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
-                specials: Specials, beam_size: int = 4,
-                alpha: float = 0.6) -> tuple[jax.Array, jax.Array]:
+                specials: Specials, beam_size: int = 4, alpha: float = 0.6,
+                limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Beam search with GNMT's length penalty; `cache` is per sentence ([B, ...] leaves).
 
-  Stops early once no live beam can beat the finished ones.
+  Stops early once no live beam can beat the finished ones. `limits` [B] (at most max_len):
+  each sentence's own length limit; its search stops there (its state is kept from then on)
+  and ends as it would at max_len.
   Returns:
     tokens [B, K, max_len] best first (<eos> then <pad> after the end), scores [B, K].
   """
   b, k = batch_size, beam_size
   cache = tile_beams(cache, k)
-  max_penalty = length_penalty(max_len, alpha)
+  max_penalty = length_penalty(max_len if limits is None else limits, alpha)  # [] or [B]
 
   def cond(state):
     i, _, live_logp, _, fin_scores, fin_flags, _ = state
@@ -165,9 +170,21 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
     # (log-probs only fall, and the penalty grows with length for alpha >= 0).
     best_live = live_logp[:, 0] / max_penalty
     worst_fin = jnp.where(fin_flags.all(-1), fin_scores.min(-1), NEG_INF)
-    return (i < max_len) & ~jnp.all(worst_fin >= best_live)
+    done = worst_fin >= best_live
+    if limits is not None:
+      done = done | (i >= limits)
+    return (i < max_len) & ~jnp.all(done)
 
   def body(state):
+    new = _beam_step(state)
+    if limits is None:
+      return new
+    # A sentence at its limit keeps its state (the cache's rows need not: nothing reads them).
+    stopped = state[0] >= limits  # [B]
+    keep = lambda old, x: jnp.where(stopped.reshape(-1, *[1] * (x.ndim - 1)), old, x)
+    return (new[0], *map(keep, state[1:6], new[1:6]), new[6])
+
+  def _beam_step(state):
     i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
     last = live_seqs[:, :, i].reshape(b * k, 1)  # [B*K, 1]
     logits, cache = tokens_to_logits(last, cache)  # [B*K, V]
@@ -215,7 +232,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
   slot = jnp.arange(k)[None, :] - fin_flags.sum(-1, keepdims=True)  # [B, K]: live beam to take
   live_pick = jnp.clip(slot, 0, k - 1)
   live_seqs = jnp.take_along_axis(live_seqs, live_pick[:, :, None], axis=1)
-  live_scores = jnp.take_along_axis(live_logp, live_pick, axis=1) / max_penalty
+  live_scores = jnp.take_along_axis(live_logp, live_pick, axis=1) / jnp.reshape(max_penalty,
+                                                                                (-1, 1))
   tokens = jnp.where(fin_flags[:, :, None], fin_seqs, live_seqs)[:, :, 1:]
   scores = jnp.where(fin_flags, fin_scores, live_scores)
   return _pad_after_eos(tokens, specials), scores

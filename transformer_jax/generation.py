@@ -79,22 +79,26 @@ def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float 
   return decode.sample(step, cache, src.shape[0], max_len, SPECIALS, sampler, rng)
 
 
-def beams(model, params, src, max_len: int, beam_size: int, alpha: float):
+def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits=None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam, best first, scored by
-  log-probability / GNMT length penalty (decode.beam_search)."""
+  log-probability / GNMT length penalty (decode.beam_search; `limits` [B]: each sentence's
+  own length limit, at most max_len)."""
   step, cache = decoder(model, params, src, max_len)
-  return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha)
+  return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
+                            limits)
 
 
-def scored(model, params, src, max_len: int, beam_size: int, alpha):
+def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]), K = beam_size: the beams best first
   (decode.beam_search), or with K = 1 the greedy output. A score is the log-probability /
   GNMT length penalty of the output's length with <eos>, for greedy outputs too. `alpha` may
-  be traced (one compilation serves every alpha)."""
+  be traced (one compilation serves every alpha). `limits` [B]: each row's own length limit
+  (at most max_len); a row decodes as it would alone with max_len = its limit."""
   if beam_size > 1:
-    return beams(model, params, src, max_len, beam_size, alpha)
+    return beams(model, params, src, max_len, beam_size, alpha, limits)
   step, cache = decoder(model, params, src, max_len)
-  tokens, logprob = decode.sample_scored(step, cache, src.shape[0], max_len, SPECIALS)
+  tokens, logprob = decode.sample_scored(step, cache, src.shape[0], max_len, SPECIALS,
+                                         limits=limits)
   length = jnp.sum(tokens != PAD, axis=-1)  # [B]: the tokens with <eos>
   return tokens[:, None], (logprob / decode.length_penalty(length, alpha))[:, None]
 

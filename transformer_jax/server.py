@@ -8,6 +8,7 @@ sentences of concurrent requests decoded together (batcher.py).
   GET  /ready      -> 200 once every decoder shape is compiled; 503 before (with progress);
                       "queued": the sentences waiting
   GET  /info       -> the model, its step and the limits
+  GET  /stats      -> batches, sentences and rows decoded, and the decoders' busy seconds
 
 Sentences are translated as `translate` does (the workdir's decoding settings, long ones
 sentence by sentence). Every refusal is JSON {"error": MESSAGE}: 400 for a request that breaks
@@ -46,7 +47,9 @@ class Settings:
   batch_size: int = 64  # Rows of a batch at most ...
   batch_tokens: int = 1024  # ... and rows x source width (beams count as rows) at most.
   max_wait: float = 0.005  # Seconds a partial batch waits for more sentences.
-  join_requests: bool = True  # False: one request at a time.
+  join_requests: bool = True  # False: one request at a time (per decoder).
+  decoders: int = 2  # Batches decoded at once.
+  join_widths: bool = True  # False: a batch holds one source width.
   max_queue: int = 1024  # Sentences waiting, at most.
   max_request_bytes: int = 65536
   max_sentences: int = 64  # Per request.
@@ -68,19 +71,20 @@ class Service:
   def __init__(self, translator: Translator, settings: Settings):
     self.translator, self.settings = translator, settings
     self.defaults = translator.config.decode
+    self.src_lang = translator.src_lang  # Imports the datasets' module: once, not per request.
     beams = set(settings.beam_sizes)
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
     self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
-                           settings.join_requests)
+                           settings.join_requests, settings.decoders, settings.join_widths)
     self.kinds = [(w, k) for k in sorted(beams) for w in widths(translator.max_src_len)]
 
   def rows(self, width: int, beam_size: int) -> int:
     """The most sentences of a batch of this width and beam size (translate's rule)."""
     return batch_rows(width, beam_size, self.settings.batch_size, self.settings.batch_tokens)
 
-  def _decode(self, src, beam_size, alpha):
-    return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha))
+  def _decode(self, src, widths, beam_size, alpha):
+    return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha), widths)
 
   def parse(self, body: bytes) -> tuple[list[str], DecodeOptions, int, object]:
     """(sentences, options, n_best, id) of a request body, or BadRequest naming the problem."""
@@ -137,7 +141,7 @@ class Service:
     over = None if whole or d.segment_over < 0 else d.segment_over
     line_ids = tokenizer.encode(lines)
     texts, owners = sentences_lib.split_long(lines, [len(ids) + 1 for ids in line_ids], over,
-                                             self.translator.src_lang)
+                                             self.src_lang)
     piece_ids = line_ids if texts == lines else tokenizer.encode(texts)
     limit = self.translator.max_src_len
     out = []
@@ -249,6 +253,9 @@ def create_app(service: Service) -> Starlette:
         "decode": dataclasses.asdict(service.defaults),
         "settings": dataclasses.asdict(settings)})
 
+  async def stats(request: Request) -> JSONResponse:
+    return JSONResponse(dataclasses.asdict(batcher.stats()))
+
   @contextlib.asynccontextmanager
   async def lifespan(app):
     batcher.start(service.kinds)
@@ -259,6 +266,7 @@ def create_app(service: Service) -> Starlette:
       logging.info("stopped: every accepted request was answered")
 
   return Starlette(routes=[Route("/translate", translate, methods=["POST"]),
-                           Route("/health", health), Route("/ready", ready), Route("/info", info)],
+                           Route("/health", health), Route("/ready", ready), Route("/info", info),
+                           Route("/stats", stats)],
                    lifespan=lifespan)
 

@@ -74,17 +74,25 @@ class Translator:
     return DATASETS[self.config.data.dataset].src_lang
 
   @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-  def decode_ids(self, params, src, max_len, beam_size, alpha):
+  def decode_ids(self, params, src, max_len, beam_size, alpha, limits=None):
     """params: `all_params`; src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam
     best first (K = beam_size; greedy: K = 1), scores as generation.scored. Compiled once per
-    shape and beam size; `alpha` is traced (pass it as an array), so any alpha reuses it."""
-    return scored(self.models, params, src, max_len, beam_size, alpha)
+    shape and beam size; `alpha` is traced (pass it as an array), so any alpha reuses it.
+    `limits` [B]: each row's own output length limit (generation.scored)."""
+    return scored(self.models, params, src, max_len, beam_size, alpha, limits)
 
-  def decode(self, src: np.ndarray, options: DecodeOptions) -> tuple[np.ndarray, np.ndarray]:
-    """src [B, S] -> (tokens [B, K, L], scores [B, K]) as numpy (decode_ids with `options`)."""
+  def decode(self, src: np.ndarray, options: DecodeOptions,
+             widths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """src [B, S] -> (tokens [B, K, L], scores [B, K]) as numpy (decode_ids with `options`).
+    `widths` [B] (at most S): each row decodes as it would in a batch of that width (its
+    output limit, width + options.max_len_margin), so rows of different widths can share
+    a batch."""
     max_len = options.max_len or src.shape[1] + options.max_len_margin
+    limits = None
+    if widths is not None and not options.max_len:
+      limits = np.asarray(widths, np.int32) + options.max_len_margin
     out = self.decode_ids(self.all_params, src, max_len, options.beam_size,
-                          np.float32(options.alpha))
+                          np.float32(options.alpha), limits)
     return tuple(map(np.asarray, out))
 
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),

@@ -44,7 +44,14 @@ def define_flags() -> None:
                        "tokens (beams count as rows), up to --batch_size; 0: --batch_size.")
   flags.DEFINE_float("max_wait_ms", 5.0, "How long a partial batch waits for more sentences.")
   flags.DEFINE_bool("batching", True, "Join the sentences of concurrent requests into batches; "
-                    "--nobatching decodes one request at a time.")
+                    "--nobatching decodes each request as a batch of its own (one request "
+                    "at a time with --decoders 1).")
+  flags.DEFINE_integer("decoders", 2, "Batches decoded at once, each by a thread of its own: "
+                       "on a CPU a second batch uses the cores that one batch's small steps "
+                       "leave idle.")
+  flags.DEFINE_bool("join_widths", True, "Let sentences of different source widths share a "
+                    "batch (each keeps its own output limit); --nojoin_widths: one width a "
+                    "batch.")
   flags.DEFINE_integer("max_queue", 1024, "Sentences waiting at most; a request that would "
                        "overflow the queue gets 503 with Retry-After.")
   flags.DEFINE_integer("max_connections", 512, "Open connections at most (uvicorn's "
@@ -75,7 +82,7 @@ def main(argv):
       raise ServeError(f"unexpected arguments {argv[1:]}: sentences come in requests")
     if not FLAGS.workdir:
       raise ServeError("--workdir is required")
-    for name in ("batch_size", "max_queue", "max_connections", "max_request_bytes",
+    for name in ("batch_size", "decoders", "max_queue", "max_connections", "max_request_bytes",
                  "max_sentences", "max_sentence_chars"):
       if getattr(FLAGS, name) < 1:
         raise ServeError(f"--{name} must be at least 1, got {getattr(FLAGS, name)}")
@@ -109,6 +116,7 @@ def main(argv):
         beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
         batch_size=FLAGS.batch_size, batch_tokens=FLAGS.batch_tokens,
         max_wait=FLAGS.max_wait_ms / 1000, join_requests=FLAGS.batching,
+        decoders=FLAGS.decoders, join_widths=FLAGS.join_widths,
         max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
         max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars)
     if default_beam not in settings.beam_sizes:
