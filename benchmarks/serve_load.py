@@ -8,13 +8,17 @@ start-up compilation, timed), then runs `--clients` threads, each sending `--req
 of 1 to `--max_sentences` validation sources (the workdir's own split, the same requests in
 every mode) over one keep-alive connection, and stops the server with SIGTERM (its exit status
 is checked). Modes:
-  batching    the server as it ships: concurrent requests decoded together
-  nobatching  `serve --nobatching`: one request at a time
+  batching    the server as it ships: concurrent requests decoded together, by 2 decoder
+              threads, sentences of different widths sharing batches
+  one_decoder `serve --decoders 1`: batching, one batch at a time
+  same_width  `serve --nojoin_widths`: batching, a batch holding one source width
+  nobatching  `serve --nobatching --decoders 1`: one request at a time
   full_queue  `serve --max_queue Q` (a small Q): requests refused with 503 are sent again after
               their Retry-After (scaled down by --retry_scale); every answer is checked
 Every answer is compared with the batching mode's answer to the same sentence: the table
 counts answers lost (never given), duplicated (given twice) and different. Sentences/s counts
-the answered sentences over the wall time of the clients.
+the answered sentences over the wall time of the clients; the server's GET /stats gives the
+batches it decoded (sentences a batch, padded rows).
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ def main() -> None:
                       "1 to this many.")
   parser.add_argument("--beam_size", type=int, default=None, help="Every request's beam_size; "
                       "default: none given (the workdir's decode.beam_size).")
-  parser.add_argument("--modes", default="batching,nobatching,full_queue")
+  parser.add_argument("--modes", default="batching,nobatching,full_queue")  # See the modes above.
   parser.add_argument("--full_queue", type=int, default=16, help="--max_queue of the "
                       "full_queue mode, in sentences.")
   parser.add_argument("--retry_scale", type=float, default=0.05, help="A refused client waits "
@@ -183,7 +187,8 @@ def main() -> None:
   sources = [s for s in split_pairs(args.workdir, args.split)[0] if s.strip()]
   plan = requests_for(sources, args.clients, args.requests, args.max_sentences)
   sent = sum(len(r) for c in plan for r in c)
-  flags = {"batching": [], "nobatching": ["--nobatching"],
+  flags = {"batching": [], "one_decoder": ["--decoders=1"], "same_width": ["--nojoin_widths"],
+           "nobatching": ["--nobatching", "--decoders=1"],
            "full_queue": [f"--max_queue={args.full_queue}",
                           f"--max_sentences={min(args.full_queue, 64)}"]}
   results, reference = {}, None
@@ -195,6 +200,7 @@ def main() -> None:
       ready_s = wait_ready(server, port)
       run = run_clients(port, plan, args.retry_scale, args.deadline,
                         {} if args.beam_size is None else {"beam_size": args.beam_size})
+      stats = get(port, "/stats")[1]
     finally:
       status = stop_server(server)
     if reference is None:
@@ -212,6 +218,9 @@ def main() -> None:
         "duplicated": sum(n - 1 for n in run["counts"].values() if n > 1),
         "different_from_batching": sum(run["answers"][k] != reference.get(k)
                                        for k in run["answers"] if k in reference),
+        "batches": stats["batches"],
+        "sentences_per_batch": round(stats["sentences"] / max(stats["batches"], 1), 2),
+        "padded_rows": stats["rows"] - stats["sentences"],
         "errors": run["errors"][:5], "exit_status": status,
         "server_flags": flags[mode] + args.server_flags.split()}
     results[mode] = row
@@ -223,12 +232,12 @@ def main() -> None:
   out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
          "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
          "jax": jax.__version__, "modes": results}
-  print(f"{'mode':<12}{'ready s':>9}{'sent/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'503s':>7}"
-        f"{'lost':>6}{'dup':>5}{'diff':>6}{'exit':>6}")
+  print(f"{'mode':<12}{'ready s':>9}{'sent/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'a batch':>9}"
+        f"{'503s':>7}{'lost':>6}{'dup':>5}{'diff':>6}{'exit':>6}")
   for r in results.values():
     print(f"{r['mode']:<12}{r['ready_s']:>9}{r['sentences_per_s']:>9}{r['p50_ms']!s:>9}"
-          f"{r['p99_ms']!s:>9}{r['refused_503']:>7}{r['lost']:>6}{r['duplicated']:>5}"
-          f"{r['different_from_batching']:>6}{r['exit_status']:>6}")
+          f"{r['p99_ms']!s:>9}{r['sentences_per_batch']:>9}{r['refused_503']:>7}{r['lost']:>6}"
+          f"{r['duplicated']:>5}{r['different_from_batching']:>6}{r['exit_status']:>6}")
   if args.json:
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
