@@ -43,6 +43,14 @@ def _batcher(decoder, join=True, max_queue=64, max_wait=0.0, decoders=1, join_wi
   return batcher
 
 
+def _hold(batcher):
+  """A job that holds the (fake) decoder, taken from the queue: the next ones queue up."""
+  busy = batcher.submit([_piece(99, beam=2)])
+  while batcher.queued():
+    time.sleep(0.01)
+  return busy
+
+
 def _piece(first, width=8, beam=1):
   return [first, 2], Kind(width, beam, 0.6)
 
@@ -70,16 +78,15 @@ def test_every_shape_is_compiled_before_the_first_request():
 def test_waiting_requests_of_a_kind_are_decoded_together_and_padded_to_a_bucket():
   decoder = FakeDecoder()
   batcher = _batcher(decoder)
-  busy = batcher.submit([_piece(99, beam=2)])  # Holds the decoder while the others queue.
-  while batcher.queued():
-    time.sleep(0.01)
+  busy = _hold(batcher)
   jobs = [batcher.submit([_piece(10 + i)]) for i in range(3)]
   other = batcher.submit([_piece(20, width=16), _piece(21)])
   decoder.release.set()
   results = [job.future.result(30) for job in [busy, *jobs, other]]
   batcher.stop()
   # After the one that held the decoder: the oldest's kind, all four of width 8 and beam 1
-  # together (4 rows: a bucket), then the width-16 one alone.
+  # together (4 rows: a bucket), then the width-16 one alone (a batch of width 16 holds 4
+  # rows: it did not fit).
   assert decoder.batches == [((1, 8), 2, 0.6, [99]), ((4, 8), 1, 0.6, [10, 11, 12, 21]),
                              ((1, 16), 1, 0.6, [20])]
   # Every piece gets its own row's output back, in its request's order.
@@ -90,9 +97,7 @@ def test_waiting_requests_of_a_kind_are_decoded_together_and_padded_to_a_bucket(
 def test_pieces_of_other_widths_fill_a_batch_after_those_of_its_own_width():
   decoder = FakeDecoder()
   batcher = _batcher(decoder)
-  busy = batcher.submit([_piece(99, beam=2)])  # Holds the decoder while the others queue.
-  while batcher.queued():
-    time.sleep(0.01)
+  busy = _hold(batcher)
   # Width 8 holds 8 rows, width 16 holds 4: the first three (width 8, 16, 8) fit a batch of
   # width 16, the fourth (width 16) would make it 5 rows.
   jobs = [batcher.submit([_piece(10, width=8)]), batcher.submit([_piece(11, width=16)]),

@@ -5,7 +5,8 @@
   curl -s localhost:8080/translate -d '{"sentences": ["I lost.", "I am home."]}'
 
 The sentences of concurrent requests are decoded together, in batches of up to --batch_tokens
-rows x source tokens, a partial batch waiting --max_wait_ms for more. Every batch shape is
+rows x source tokens (sentences of different widths sharing a batch), a partial batch waiting
+--max_wait_ms for more; --decoders batches are decoded at once. Every batch shape is
 compiled at start-up: GET /ready answers 200 once that is done. SIGTERM (or Ctrl-C) stops taking
 requests, answers those already taken, and exits 0.
 """
