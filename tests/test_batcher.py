@@ -148,6 +148,27 @@ def test_several_decoders_decode_batches_at_once_and_share_the_queue():
   assert batcher.stats().batches == 2 and batcher.stats().sentences == 8
 
 
+def test_stopping_with_two_decoders_busy_answers_every_queued_request():
+  decoder = FakeDecoder()
+  batcher = _batcher(decoder, decoders=2)
+  with batcher._cond:  # Four pieces: each decoder takes two and holds them in the decoder.
+    held = [batcher.submit([_piece(40 + i)]) for i in range(4)]
+  while batcher.queued():
+    time.sleep(0.01)
+  waiting = [batcher.submit([_piece(50 + i)]) for i in range(3)]
+  stopper = threading.Thread(target=batcher.stop)
+  stopper.start()  # Stopping while both decode and three wait ...
+  while not batcher._stopping:
+    time.sleep(0.01)
+  with pytest.raises(NotReady, match="stopping"):
+    batcher.submit([_piece(60)])
+  decoder.release.set()
+  stopper.join(30)
+  assert not stopper.is_alive()  # ... ends only once every accepted piece is answered.
+  assert [job.future.result(0)[0][0][0][0] for job in held + waiting] == [40, 41, 42, 43,
+                                                                          50, 51, 52]
+
+
 def test_a_batch_of_3_is_padded_to_4_rows_with_copies_of_its_first():
   decoder = FakeDecoder()
   batcher = _batcher(decoder)

@@ -232,6 +232,7 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(trained, tmp_path, 
     (["--max_queue=4", "--max_sentences=8"], "--max_queue 4 is below --max_sentences 8"),
     (["--beam_sizes=1"], "leaves out the workdir's default beam size (4)"),
     (["--beam_sizes=0,4"], "--beam_sizes must be at least 1"),
+    (["--decoders=0"], "--decoders must be at least 1, got 0"),
 ])
 def test_bad_flags_are_one_line_errors(trained, flags, message):
   _, workdir = trained

@@ -5,12 +5,13 @@ waiting piece and the other waiting pieces with its decoding options (beam size,
 of its source width first, then (`join_widths`) those of other widths, up to the rows the
 batch's width (its widest piece's) allows, waiting up to `max_wait` seconds for more when
 fewer are there, and decodes them as one batch padded to the next of a few row counts (powers
-of 2). Each row keeps its own width's output limit, so a sentence's translation does not
-depend on what it is batched with. `decoders`
-threads do this at once: on a CPU one batch's decoding loop leaves cores idle between its small
-steps, and a second batch fills them. Every (width, beam size, rows) shape is compiled before
-the first request is taken (`warm_up`), so no request waits on a compilation. The queue holds at most `max_queue` pieces: a request that would overflow it is
-refused whole (`QueueFull`), so memory stays bounded.
+of 2). Each row keeps its own width's output limit, so what a piece is batched with does not
+change how long its output may be. `decoders` threads do this at once, each batch taking its
+share of the waiting pieces: on a CPU one batch's decoding loop leaves cores idle between its
+small steps, and a second batch fills them. Every (width, beam size, rows) shape is compiled
+before the first request is taken (`warm_up`), so no request waits on a compilation. The queue
+holds at most `max_queue` pieces: a request that would overflow it is refused whole
+(`QueueFull`), so memory stays bounded.
 
 Nothing here knows the model or HTTP: `decode(src [R, W], widths [R], beam_size, alpha) ->
 (tokens [R, K, L], scores [R, K])` is the caller's, `widths` being each row's own width (at
@@ -112,7 +113,7 @@ class Piece:
 
 
 class Batcher:
-  """Joins pieces into batches and decodes them on a thread of its own."""
+  """Joins pieces into batches and decodes them on threads of its own."""
 
   def __init__(self, decode: Decode, rows: Callable[[int, int], int], max_queue: int,
                max_wait: float, join_requests: bool = True, decoders: int = 1,
@@ -273,11 +274,10 @@ class Batcher:
     width = max(p.kind.width for p in batch)
     rows = self._bucket(width, kind.beam_size, len(batch))
     src = np.zeros((rows, width), np.int32)
-    widths = np.full(rows, batch[0].kind.width)  # Padding rows: copies of the first (their
-    for i, piece in enumerate(batch):            # output is dropped).
+    for i, piece in enumerate(batch):
       src[i, :len(piece.ids)] = piece.ids
-      widths[i] = piece.kind.width
-    src[len(batch):] = src[0]
+    src[len(batch):] = src[0]  # Padding rows: copies of the first (their output is dropped).
+    widths = np.array([p.kind.width for p in batch] + [kind.width] * (rows - len(batch)))
     start = time.monotonic()
     try:
       tokens, scores = self._decode(src, widths, kind.beam_size, kind.alpha)

@@ -85,8 +85,8 @@ class Translator:
              widths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """src [B, S] -> (tokens [B, K, L], scores [B, K]) as numpy (decode_ids with `options`).
     `widths` [B] (at most S): each row decodes as it would in a batch of that width (its
-    output limit, width + options.max_len_margin), so rows of different widths can share
-    a batch."""
+    output limit, width + options.max_len_margin; with options.max_len, every row's is that),
+    so rows of different widths can share a batch."""
     max_len = options.max_len or src.shape[1] + options.max_len_margin
     limits = None
     if widths is not None and not options.max_len:
