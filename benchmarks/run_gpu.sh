@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # The GPU rows of benchmarks/README.md in one go, for one short lease of a GPU machine:
-#   benchmarks/run_gpu.sh OUT_DIR [PART]
+#   bash benchmarks/run_gpu.sh OUT_DIR [PART]
+# On an image with jax + CUDA but not tfds, grain, clu or ml_collections, it first installs the
+# wheels in $WHEELS (default wheels/, made here by benchmarks/gpu_wheels.sh and carried along).
+# PART real (the default): training on real text at the paper's base size. The embedding-
+#         gradient tests on the GPU, a 300k-pair synthetic corpus with WMT-like lengths and
+#         Zipf-distributed words, then on it (configs/synthetic.py, 96 x 256 bf16, cuDNN
+#         attention): the token-id probe (benchmarks/token_ids.py) with the embedding gradient
+#         by scatter-add, sorted segment sums and a one-hot product; train_step.py on packed
+#         batches and the random-id control for each; train.py for 300 steps (tokens/s, MFU).
 # PART 1: the GPU-only tests (cuDNN == XLA attention), then train_step.py at the paper's base and
 #         big sizes in bfloat16 with cuDNN attention (attention_impl=auto).
 # PART 2: the cuDNN test again, base size with the unsafe_rbg PRNG (dropout masks), the two sizes
@@ -11,12 +19,18 @@
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures.
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [1|2|3]}
-part=${2:-1}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|1|2|3]}
+part=${2:-real}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 failures=0
+if ! $py -c "import grain, tensorflow_datasets, clu, ml_collections, sentencepiece, sacrebleu" \
+    2>/dev/null; then
+  wheels=${WHEELS:-wheels}
+  ls "$wheels"/*.whl >/dev/null || { echo "no wheels in $wheels: bash benchmarks/gpu_wheels.sh"; exit 99; }
+  $py -m pip install -q --no-deps --no-index "$wheels"/*.whl || exit 99
+fi
 
 step() {  # step NAME SECONDS COMMAND...: runs one command under a time limit, logs its output.
   local name=$1 limit=$2
@@ -29,7 +43,28 @@ step() {  # step NAME SECONDS COMMAND...: runs one command under a time limit, l
 
 base=(--config configs/wmt14_base.py --steps 50)  # 96 rows x 256 tokens a side, bfloat16
 big=(--config configs/wmt14_big.py --steps 50)
-if [ "$part" = 1 ]; then
+if [ "$part" = real ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
+          'optax', optax.__version__, jax.devices())"
+  step embedding_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_embedding.py
+  corpus=$out/synth300k
+  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs 300000
+  data=(--data_dir "$corpus" --tfds_dir "$corpus/tfds")
+  step token_ids 600 $py benchmarks/token_ids.py --config configs/synthetic.py "${data[@]}" \
+      --variant model.embed_grad=scatter --variant model.embed_grad=sorted \
+      --variant model.embed_grad=onehot --json "$out/token_ids.json"
+  for grad in sorted onehot scatter; do
+    step "train_step_$grad" 300 $py benchmarks/train_step.py --config configs/synthetic.py \
+        "${data[@]}" --batches packed,random --steps 50 --set model.embed_grad=$grad \
+        --json "$out/train_step_$grad.json"
+  done
+  step train_base 600 $py train.py --config configs/synthetic.py --workdir "$out/train_base" \
+      --config.data.data_dir "$corpus" --config.data.tfds_dir "$corpus/tfds" \
+      --config.run.num_steps=300 --config.run.log_every=50 --config.eval.every=100000 \
+      --config.eval.bleu_sentences=0 --config.run.checkpoint_every=100000
+  cp "$out/train_base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null
+elif [ "$part" = 1 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
           'optax', optax.__version__, jax.devices())"

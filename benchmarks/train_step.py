@@ -1,7 +1,13 @@
 """Train-step throughput and model-FLOPs utilisation, using the library's own train_step.
 
-  python benchmarks/train_step.py --config configs/fra_eng.py [--batch_tokens 2304]
-      [--steps 20] [--real_data --data_dir ../shared/data/fra-eng] [--json out.json]
+  python benchmarks/train_step.py --config configs/fra_eng.py --data_dir ../shared/data/fra-eng
+      [--batches packed,padded,random] [--batch_tokens 2304] [--steps 20] [--json out.json]
+
+Batches (`--batches`, default `packed`): `packed`, what train.py trains on (the config's
+corpus through the real pipeline, first-fit packed rows); `padded`, the same corpus one sentence
+a row; `random`, full rows of uniform random token ids, a control only: real text's ids collide
+(a few ids are most tokens), and a step whose cost follows the ids (a scatter-add's atomics on a
+GPU) looks faster on random ones than it trains. `--real_data` is `--batches packed,padded`.
 
 Prints a table and optionally writes JSON: device, compile time, the ahead-of-time memory
 report, median and p90 step time (a wait after each step) and the pipelined step time (steps
@@ -71,6 +77,17 @@ def real_batches(config, rows: int, packing: bool, count: int):
   batches = [next(stream) for _ in range(count)]
   stream.close()
   return batches
+
+
+def batch_cases(config, names: list[str], rows: int, count: int = 8) -> dict[str, list]:
+  """{name: batches} for `names` from packed, padded (the config's corpus) and random."""
+  cases = {}
+  for name in names:
+    if name == "random":
+      cases[name] = [synthetic_batch(rows, config.data.max_len, config.data.vocab_size)]
+    else:
+      cases[name] = real_batches(config, rows, name == "packed", count)
+  return cases
 
 
 def train_setup(config, mesh=None):
@@ -143,9 +160,15 @@ def main():
                       help="tokens a side per batch (rows = batch_tokens // max_len)")
   parser.add_argument("--max_len", type=int, default=0)
   parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--real_data", action="store_true",
-                      help="fra-eng batches: packed and padded, side by side")
-  parser.add_argument("--data_dir", default="../shared/data/fra-eng")
+  parser.add_argument("--batches", default="packed",
+                      help="comma-separated: packed, padded (the config's corpus), random "
+                      "(uniform random ids, a control)")
+  parser.add_argument("--real_data", action="store_true", help="the same as --batches "
+                      "packed,padded")
+  parser.add_argument("--data_dir", default=None, help="the corpus's local files (default: "
+                      "the config's data.data_dir; empty: download)")
+  parser.add_argument("--tfds_dir", default=None, help="where tfds prepares the corpus "
+                      "(default: the config's data.tfds_dir)")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="config override, e.g. --set model.scan_layers=True")
   parser.add_argument("--json", default=None)
@@ -161,18 +184,21 @@ def main():
   device = jax.devices()[0]
   matmul, matmul_n = matmul_rate(dtype)
   peak = peak_flops(device.device_kind)
-  cases = {}
-  if args.real_data:
+  names = ["packed", "padded"] if args.real_data else [
+      n.strip() for n in args.batches.split(",") if n.strip()]
+  if not names or set(names) - {"packed", "padded", "random"}:
+    parser.error(f"--batches {args.batches!r}: choose from packed, padded, random")
+  if args.data_dir is not None:
     config.data.data_dir = args.data_dir
-    for packing in (True, False):
-      cases["packed" if packing else "padded"] = real_batches(config, rows, packing, 8)
-  else:
-    cases["synthetic"] = [synthetic_batch(rows, config.data.max_len, config.data.vocab_size)]
+  if args.tfds_dir is not None:
+    config.data.tfds_dir = args.tfds_dir
+  cases = batch_cases(config, names, rows)
   results = {name: benchmark(config, batches, args.steps) for name, batches in cases.items()}
 
   cpu = platform.processor() or platform.machine()
   print(f"device: {device.device_kind} x{jax.device_count()} ({cpu}, {os.cpu_count()} cores), "
         f"jax {jax.__version__}; config {args.config}: d_model {config.model.d_model}, "
+        f"embedding gradient {config.model.embed_grad}, "
         f"{config.model.num_encoder_layers}+{config.model.num_decoder_layers} layers, "
         f"{rows} x {config.data.max_len} tokens a side, {config.model.dtype}")
   print(f"matrix product rate ({dtype.name}, {matmul_n}^3): {matmul / 1e9:.1f} GFLOP/s"
@@ -182,7 +208,8 @@ def main():
     r["mfu_vs_peak"] = r["achieved_flops_per_s"] / peak if peak else None
     r["pipelined_mfu_vs_matmul"] = r["pipelined_flops_per_s"] / matmul
     r["pipelined_mfu_vs_peak"] = r["pipelined_flops_per_s"] / peak if peak else None
-    print(f"[{name}] compile {r['compile_s']:.1f} s | step median {r['median_step_s'] * 1e3:.1f}"
+    label = f"{name}, control: uniform random ids" if name == "random" else name
+    print(f"[{label}] compile {r['compile_s']:.1f} s | step median {r['median_step_s'] * 1e3:.1f}"
           f" ms, p90 {r['p90_step_s'] * 1e3:.1f} ms, pipelined {r['pipelined_step_s'] * 1e3:.1f} ms"
           f" ({r['pipelined_mfu_vs_matmul']:.1%} of matmul) | real target tokens/s "
           f"{r['real_tgt_tokens_per_s']:.0f} (pipelined {r['pipelined_real_tgt_tokens_per_s']:.0f})"

@@ -1,7 +1,8 @@
 """Run by test_sharding.py in a fresh process with 8 fake CPU devices.
 
 Trains the tiny model for a few steps on one device and on each (data, fsdp, tensor) mesh given
-("8,1,1" ...) over the same batches and prints the losses and how the parameters were split,
+("8,1,1" ...; "8,1,1:sorted" with that embedding gradient, model.embed_grad) over the same
+batches and prints the losses and how the parameters were split,
 as JSON.
 """
 
@@ -34,11 +35,11 @@ def batches(n, rows=16, length=12, seed=0):
            "targets_positions": pos.repeat(rows, 0) * tgt_seg}
 
 
-def run(mesh_shape, devices):
+def run(mesh_shape, devices, embed_grad="scatter"):
   config = config_lib.parse(fra_eng.get_config())
   optimizer = dataclasses.replace(config.optimizer, warmup_steps=2)
   mesh = sharding.make_mesh(mesh_shape, devices)
-  model = Transformer(tiny_model_config(dropout_rate=0.1))
+  model = Transformer(tiny_model_config(dropout_rate=0.1, embed_grad=embed_grad))
   state, shardings = train_lib.create_train_state(
       model, train_lib.make_optimizer(optimizer, config.run.num_steps), 0, mesh, 12)
   p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
@@ -55,6 +56,9 @@ def run(mesh_shape, devices):
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
-  meshes = {arg: run(tuple(int(s) for s in arg.split(",")), jax.devices())
-            for arg in sys.argv[1:]}
+  meshes = {}
+  for arg in sys.argv[1:]:
+    shape, _, embed_grad = arg.partition(":")
+    meshes[arg] = run(tuple(int(s) for s in shape.split(",")), jax.devices(),
+                      embed_grad or "scatter")
   print(json.dumps({"single": run((1, 1, 1), jax.devices()[:1]), "meshes": meshes}))

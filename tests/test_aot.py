@@ -16,8 +16,10 @@ from transformer_jax import aot
 # The smoke config at d_model 128 without dropout: at d_model 32 elementwise work and dropout's
 # random bits (which XLA counts as FLOPs) are a large share of the step, and the comparison
 # with the analytic count (matrix products and attention only) would measure them instead.
+# The embedding gradient by scatter-add: TPUs' one-hot product (embed_grad auto) is work the
+# analytic count leaves out.
 FLOP_CHECK = ["--config.model.d_model=128", "--config.model.ffn_dim=512",
-              "--config.model.dropout_rate=0.0"]
+              "--config.model.dropout_rate=0.0", "--config.model.embed_grad=scatter"]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,27 @@ def test_the_smoke_config_compiles_for_h100(plugins, tmp_path):
   assert report["programs"]["train"]["collectives"]["all-reduce"]["count"] >= 1
 
 
+@pytest.mark.parametrize("topology,embed_grad", [("h100:1", "sorted"), ("v5e:2x2", "onehot")])
+def test_the_train_step_has_no_scatter_into_an_embedding_table(plugins, tmp_path, topology,
+                                                                embed_grad):
+  """Read from the optimized HLO the target compiler produced, with the config's default
+  fields: the table's gradient is not a scatter-add (slow under colliding ids on GPUs)."""
+  result, report = _aot(plugins, "--topology", topology, "--programs", "train", "--hlo",
+                        str(tmp_path / "hlo"), json_path=tmp_path / "r.json")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert report["embed_grad"] == embed_grad
+  train = report["programs"]["train"]
+  assert train["embedding_scatters"] == 0 and train["scatters"] == {}
+  assert " scatter(" not in (tmp_path / "hlo" / "train.hlo.txt").read_text()
+  # The check sees autodiff's gradient: one scatter-add into the shared [512, 32] table per
+  # lookup (source and target).
+  result, report = _aot(plugins, "--topology", topology, "--programs", "train",
+                        "--config.model.embed_grad=scatter", json_path=tmp_path / "r.json")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert report["programs"]["train"]["scatters"] == {"f32[512,32]": 2}
+  assert report["programs"]["train"]["embedding_scatters"] == 2
+
+
 def test_fsdp_splits_parameters_and_optimizer_state(plugins, tmp_path):
   reports = {}
   for mesh in ("(4,1,1)", "(1,4,1)"):
@@ -131,6 +154,19 @@ def test_missing_plugins_name_the_install_command(tmp_path):
   line = _error_line(result)
   assert line.startswith("error: compiling for v5e:2x2 needs the TPU compiler plugin")
   assert f"--target {tmp_path / 'no-plugins'} libtpu==" in line
+
+
+def test_scatters_are_counted_from_hlo_text():
+  hlo = "\n".join([
+      "  %scatter.3 = f32[512,32]{1,0} scatter(f32[512,32]{1,0} %z, s32[64,1]{1,0} %i, "
+      "f32[64,32]{1,0} %u), update_window_dims={1}, to_apply=%add",
+      "  %s2 = (f32[512,16]{1,0}, s32[7]{0}) scatter(f32[512,16]{1,0} %a, s32[7]{0} %b)",
+      "  %g = f32[64,32]{1,0} gather(f32[512,32]{1,0} %t, s32[64,1]{1,0} %i)",
+  ])
+  assert aot.scatters(hlo) == {"f32[512,32]": 1, "f32[512,16], s32[7]": 1}
+  assert aot.embedding_scatters(hlo, [(512, 32)]) == 1
+  assert aot.embedding_scatters(hlo, [(512, 16), (512, 32)]) == 2
+  assert aot.embedding_scatters(hlo, [(256, 32)]) == 0
 
 
 def test_collectives_are_counted_from_hlo_text():

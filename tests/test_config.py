@@ -75,6 +75,9 @@ def test_a_workdir_of_another_model_is_refused():
     workdir_lib.check_same_model(saved, averaged)
   averaged.step.ema_decay, saved.step.ema_decay = 0.99, 0.999  # Another decay: same checkpoints.
   workdir_lib.check_same_model(saved, averaged)
+  sorted_grad = fra_eng.get_config("smoke")  # Another embedding gradient: same parameters.
+  sorted_grad.model.embed_grad = "sorted"
+  workdir_lib.check_same_model(fra_eng.get_config("smoke"), sorted_grad)
 
 
 def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
@@ -133,6 +136,9 @@ def test_a_section_checks_its_own_fields():
     config_lib.EvalConfig(every=0)
   with pytest.raises(config_lib.ConfigError, match=r"^model.remat='some' must be none, full"):
     config_lib.ModelConfig(remat="some")
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^model.embed_grad='gather' must be auto, scatter, onehot or sorted$"):
+    config_lib.ModelConfig(embed_grad="gather")
   config = config_lib.base_config()
   config.data.bogus = 1
   with pytest.raises(config_lib.ConfigError,

@@ -14,6 +14,10 @@ MESHES = {  # (data, fsdp, tensor): the shard shapes of an FFN kernel and an emb
     "8,1,1": ([32, 64], [128, 32]),  # Pure data parallelism: parameters replicated.
     "2,2,2": ([16, 32], [64, 16]),  # embed split over fsdp=2, mlp and vocab over tensor=2.
     "1,8,1": ([4, 64], [128, 4]),  # embed split 8 ways.
+    # The embedding gradients without a scatter (each data shard sorts its own tokens).
+    "8,1,1:sorted": ([32, 64], [128, 32]),
+    "2,2,2:sorted": ([16, 32], [64, 16]),
+    "2,2,2:onehot": ([16, 32], [64, 16]),
 }
 
 

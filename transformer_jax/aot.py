@@ -210,6 +210,49 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   return out
 
 
+_SCATTER = re.compile(r"=\s*(.+?)\s+scatter\(")
+
+
+def scatters(hlo_text: str) -> dict[str, int]:
+  """{result type: count} of the scatter ops in an optimized HLO module (those inside fused
+  computations included), e.g. {"f32[512,32]": 2}; a variadic scatter's types joined by ", "."""
+  out: dict[str, int] = {}
+  for line in hlo_text.splitlines():
+    match = _SCATTER.search(line)
+    if match:
+      key = ", ".join(f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(match.group(1))
+                      if dt in _DTYPE_BYTES)
+      out[key] = out.get(key, 0) + 1
+  return out
+
+
+def embedding_scatters(hlo_text: str, table_shapes) -> int:
+  """Scatters in `hlo_text` whose result has the shape of an embedding table as one device
+  holds it (`table_shapes`: (rows, columns) pairs): the gradient of a lookup formed by
+  scatter-add, which on GPUs adds with contended atomics."""
+  shapes = {f"{r},{c}" for r, c in table_shapes}
+  return sum(count for key, count in scatters(hlo_text).items()
+             for part in key.split(", ") if part[part.index("[") + 1:-1] in shapes)
+
+
+def _table_shapes(params) -> list[tuple[int, int]]:
+  """The per-device shapes of the embedding tables (parameters named `embedding`)."""
+  import jax
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if getattr(path[-1], "key", None) == "embedding":
+      out.append(tuple(x.sharding.shard_shape(x.shape)))
+  return out
+
+
+def _compiler_options(target: Target) -> dict:
+  """XLA options of a compile for `target` on this host. For GPUs: XLA would sort large
+  arrays (the sorted embedding gradient's) with CUB, whose scratch size it asks of the CUDA
+  runtime, absent here; its own sort kernel compiles without one (what runs is otherwise the
+  same program)."""
+  return {"xla_gpu_enable_cub_radix_sort": False} if target.platform == "gpu" else {}
+
+
 def _memory(compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
@@ -233,9 +276,11 @@ _OOM = re.compile(r"(Ran out of memory|RESOURCE_EXHAUSTED)")
 
 
 def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4,
-                   progress=print, save_train_step: str | None = None) -> dict:
+                   progress=print, save_train_step: str | None = None,
+                   hlo_dir: str | None = None) -> dict:
   """Compiles `programs` of `config` for `target`; returns the report (JSON-ready).
-  `save_train_step`: also write the compiled train step there (see load_train_step)."""
+  `save_train_step`: also write the compiled train step there (see load_train_step);
+  `hlo_dir`: write each program's optimized HLO there as PROGRAM.hlo.txt."""
   import jax
   import numpy as np
   from transformer_jax import (config as config_lib, flops as flops_lib, sections, sharding,
@@ -271,6 +316,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       "batch_size": data.batch_size, "max_len": data.max_len,
       "grad_accum_steps": cfg.step.grad_accum_steps, "loss_chunks": cfg.step.loss_chunks,
       "vocab_size": vocab, "dtype": model_cfg.dtype, "attention_impl": model_cfg.attention_impl,
+      "embed_grad": model_cfg.embed_grad, "compiler_options": _compiler_options(target),
       "scan_layers": model_cfg.scan_layers, "remat": model_cfg.remat,
       "params_bytes_per_device": _per_device_bytes(state.params),
       "opt_state_bytes_per_device": _per_device_bytes(state.opt_state),
@@ -298,7 +344,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
     entry = {}
     try:
       program = lowered(name)
-      compiled = program.compile()
+      compiled = program.compile(compiler_options=_compiler_options(target))
       if name == "train" and save_train_step:
         _save_executable(compiled, program, target, n, save_train_step)
     except Exception as e:  # XLA raises XlaRuntimeError (or ValueError) with the status text.
@@ -310,7 +356,13 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       entry.update(_memory(compiled))
       entry["fits"] = entry["total_bytes"] <= target.hbm_bytes
       entry["xla_flops_per_device"] = _xla_flops(compiled)
-      entry["collectives"] = collectives(compiled.as_text())
+      hlo = compiled.as_text()
+      entry["collectives"] = collectives(hlo)
+      entry["scatters"] = scatters(hlo)
+      entry["embedding_scatters"] = embedding_scatters(hlo, _table_shapes(state.params))
+      if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)
     entry["compile_seconds"] = round(time.perf_counter() - start, 1)
     if analytic[name] is not None:
       entry["analytic_flops_per_device"] = analytic[name] / n
@@ -399,7 +451,7 @@ def format_report(report: dict) -> str:
   lines = [f"{report['target']}: {report['num_devices']} x {report['chip']} "
            f"({_size(report['hbm_bytes_per_device'])} each), mesh data x fsdp x tensor = "
            f"{mesh}, batch {report['batch_size']} x {report['max_len']}, {report['dtype']}, "
-           f"attention {report['attention_impl']}",
+           f"attention {report['attention_impl']}, embedding gradient {report['embed_grad']}",
            f"  per device: parameters {_size(report['params_bytes_per_device'])}, optimizer "
            f"state {_size(report['opt_state_bytes_per_device'])}"]
   for name, p in report["programs"].items():
@@ -422,5 +474,6 @@ def format_report(report: dict) -> str:
     lines.append(f"  {name}: args {_size(p['argument_size_in_bytes'])} + outputs "
                  f"{_size(p['output_size_in_bytes'])} - aliased {_size(p['alias_size_in_bytes'])}"
                  f" + temps {_size(p['temp_size_in_bytes'])} = {_size(p['total_bytes'])}: "
-                 f"{verdict}{flops}; collectives: {coll}; compiled in {p['compile_seconds']} s")
+                 f"{verdict}{flops}; collectives: {coll}; scatters into an embedding table: "
+                 f"{p['embedding_scatters']}; compiled in {p['compile_seconds']} s")
   return "\n".join(lines)

@@ -119,6 +119,10 @@ class ModelConfig(_Section):
   attention_impl: str | None = "auto"
   scan_layers: bool = False  # nn.scan over layers: compile time independent of depth.
   remat: str = "none"  # Recompute activations in the backward pass: "none", "full", "dots".
+  # How the embedding tables' gradients are formed (transformer_jax/embedding.py): "auto"
+  # (a one-hot product on TPUs, a sorted segment sum on GPUs, scatter-add elsewhere),
+  # "scatter", "onehot" or "sorted".
+  embed_grad: str = "auto"
 
   def check(self):
     self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers")
@@ -133,6 +137,8 @@ class ModelConfig(_Section):
           f"model.attention_impl={self.attention_impl!r} must be auto, xla or cudnn")
     check(self.remat in ("none", "full", "dots"),
           f"model.remat={self.remat!r} must be none, full or dots")
+    check(self.embed_grad in ("auto", "scatter", "onehot", "sorted"),
+          f"model.embed_grad={self.embed_grad!r} must be auto, scatter, onehot or sorted")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

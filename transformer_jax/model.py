@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from transformer_jax import embedding, sharding
 from transformer_jax.config import ModelConfig
 
 REMAT_POLICIES = {"none": None, "full": None,
@@ -427,12 +428,23 @@ class ScannedDecoder(nn.Module):
     return self.run("step", y, cache, cross, index, cross_mask)
 
 
-def _embed(cfg: TransformerConfig, vocab_size: int, name: str) -> nn.Embed:
-  # N(0, 1/D) entries, scaled by sqrt(D) on input: unit-variance inputs and, when tied,
-  # unit-scale logits.
-  return nn.Embed(vocab_size, cfg.d_model, dtype=cfg.compute_dtype, name=name,
-                  embedding_init=nn.with_logical_partitioning(
-                      nn.initializers.normal(cfg.d_model ** -0.5), ("vocab", "embed")))
+class Embed(nn.Module):
+  """A token embedding table [V, D] ("embedding", as nn.Embed names it) and its lookup, the
+  table's gradient formed as `cfg.embed_grad` says (transformer_jax/embedding.py)."""
+  cfg: TransformerConfig
+  vocab_size: int
+
+  def setup(self):
+    # N(0, 1/D) entries, scaled by sqrt(D) on input: unit-variance inputs and, when tied,
+    # unit-scale logits.
+    self.embedding = self.param("embedding", nn.with_logical_partitioning(
+        nn.initializers.normal(self.cfg.d_model ** -0.5), ("vocab", "embed")),
+                                (self.vocab_size, self.cfg.d_model))
+
+  def __call__(self, tokens):
+    """tokens: [B, L] int -> [B, L, D] in the compute dtype."""
+    return embedding.lookup(self.embedding, tokens, self.cfg.compute_dtype, self.cfg.embed_grad,
+                            sharding.data_parallel_size())
 
 
 class Transformer(nn.Module):
@@ -441,9 +453,9 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.src_embed = _embed(cfg, cfg.src_vocab_size, "src_embed")
+    self.src_embed = Embed(cfg, cfg.src_vocab_size, name="src_embed")
     self.tgt_embed = (self.src_embed if cfg.share_embeddings
-                      else _embed(cfg, cfg.tgt_vocab_size, "tgt_embed"))
+                      else Embed(cfg, cfg.tgt_vocab_size, name="tgt_embed"))
     # One interface, two stacks: (x, mask) -> x; (y, memory, masks) -> y; cross_kv; step.
     if cfg.scan_layers:
       self.encoder_stack, self.decoder_stack = ScannedEncoder(cfg), ScannedDecoder(cfg)

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import ml_collections
 
-from transformer_jax import config as config_lib, sharding
+from transformer_jax import config as config_lib, embedding, sharding
 from transformer_jax.model import TransformerConfig, attention_impl
 
 
@@ -56,8 +56,10 @@ def padded_vocab(size: int, multiple: int = 128) -> int:
 def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
                  platform: str | None = None) -> TransformerConfig:
   """The frozen model config of the model section and the tokenizers' vocabularies (padded);
-  `platform`: the one the program is compiled for (picks attention_impl `auto`'s)."""
+  `platform`: the one the program is compiled for (picks `auto`'s attention_impl and
+  embed_grad)."""
   fields = dataclasses.asdict(model)
+  fields["embed_grad"] = embedding.grad_impl(model.embed_grad, platform)
   fields["attention_impl"] = attention_impl(model.attention_impl, model.dtype,
                                             model.d_model // model.num_heads, platform)
   return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),

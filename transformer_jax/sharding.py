@@ -74,6 +74,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(("data", "fsdp")))
 
 
+def data_parallel_size() -> int:
+  """Devices the batch is split over (data x fsdp) in the mesh being traced with
+  (`mesh_context`); 1 outside one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    return 1
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

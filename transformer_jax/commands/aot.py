@@ -35,6 +35,8 @@ def main(argv):
       raise aot.AotError(f"--programs {F.programs!r}: choose from {', '.join(aot.PROGRAMS)}")
     if F.json:
       fs.check_writable(F.json, "--json")
+    if F.hlo and Path(F.hlo).exists() and not Path(F.hlo).is_dir():
+      raise aot.AotError(f"--hlo {F.hlo} is a file, not a directory")
     target = aot.Target.parse(F.topology, F.num_slices)
     if F.save_train_step:
       if "train" not in programs:
@@ -42,7 +44,7 @@ def main(argv):
       fs.check_writable(F.save_train_step, "--save_train_step")
     report = aot.compile_report(F.config, target, programs,
                                 progress=lambda s: print(s, file=sys.stderr, flush=True),
-                                save_train_step=F.save_train_step)
+                                save_train_step=F.save_train_step, hlo_dir=F.hlo)
   report["config"] = F["config"].value if hasattr(F["config"], "value") else None
   print(aot.format_report(report))
   if F.json:
@@ -67,6 +69,8 @@ def define_flags():
                       f"${aot.PLUGINS_ENV} or {aot.DEFAULT_PLUGINS}).")
   flags.DEFINE_string("save_train_step", None, "Also write the compiled train step here, for "
                       "train.py --config.run.compiled_train_step on the target.")
+  flags.DEFINE_string("hlo", None, "Write each program's optimized HLO text into this "
+                      "directory (PROGRAM.hlo.txt): what runs on the target.")
   flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
                     "--plugins and exit.")
 
