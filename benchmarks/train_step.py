@@ -173,6 +173,10 @@ def main():
                       help="config override, e.g. --set model.scan_layers=True")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
+  names = ["packed", "padded"] if args.real_data else [
+      n.strip() for n in args.batches.split(",") if n.strip()]
+  if not names or set(names) - {"packed", "padded", "random"}:
+    parser.error(f"--batches {args.batches!r}: choose from packed, padded, random")
 
   config = load_config(args.config, args.set)
   if args.max_len:
@@ -184,10 +188,6 @@ def main():
   device = jax.devices()[0]
   matmul, matmul_n = matmul_rate(dtype)
   peak = peak_flops(device.device_kind)
-  names = ["packed", "padded"] if args.real_data else [
-      n.strip() for n in args.batches.split(",") if n.strip()]
-  if not names or set(names) - {"packed", "padded", "random"}:
-    parser.error(f"--batches {args.batches!r}: choose from packed, padded, random")
   if args.data_dir is not None:
     config.data.data_dir = args.data_dir
   if args.tfds_dir is not None:

@@ -61,7 +61,7 @@ def test_real_batches_count_real_tokens_packed_and_padded(smoke_config):
 
 def test_benchmarks_and_decoding_import_without_tfds_grain_or_clu():
   """The accelerator machines lack tfds, grain and clu: the benchmarks and the translate command
-  must import without them (the data pipeline loads only for --real_data and training)."""
+  must import without them (the data pipeline loads only for real batches and training)."""
   script = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -70,7 +70,7 @@ class Block(importlib.abc.MetaPathFinder):
       raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
-import benchmarks.profile_step, benchmarks.step_variants
+import benchmarks.profile_step, benchmarks.step_variants, benchmarks.token_ids
 import transformer_jax.translator, transformer_jax.heatmaps
 try:
   import transformer_jax.data.sources
@@ -119,3 +119,66 @@ def test_step_variants_reports_each_variants_memory_and_time(tmp_path):
        "--aot_only", "--variant", "step.loss_chunks=5"], cwd=ROOT, capture_output=True, text=True)
   assert bad.returncode != 0
   assert "step.loss_chunks=5 must divide data.max_len=32" in bad.stderr
+
+
+def test_token_id_probe_builds_its_batches_from_real_text(smoke_config):
+  """Each kind changes one property of the real packed batches; all share one shape."""
+  from benchmarks import token_ids
+  smoke_config.data.num_workers = "0"
+  got = token_ids.probe_batches(smoke_config, count=2)
+  assert list(got) == list(token_ids.BATCHES)
+  packed, padded = got["packed"][0], got["one_per_row"][0]
+  shape = (smoke_config.data.batch_size, smoke_config.data.max_len)
+  for kind, batches in got.items():
+    assert len(batches) == 2 and all(b["targets"].shape == shape for b in batches), kind
+  assert packed["targets_segment_ids"].max() > 1 and padded["targets_segment_ids"].max() == 1
+  random_packed = got["random_packed"][0]  # Same segments, other ids, same padding.
+  np.testing.assert_array_equal(random_packed["targets_segment_ids"],
+                                packed["targets_segment_ids"])
+  np.testing.assert_array_equal(random_packed["targets"] > 0, packed["targets"] > 0)
+  assert (random_packed["targets"] != packed["targets"]).mean() > 0.9
+  full = got["repeated_pad"][0]  # Padding turned into one repeated id, one segment a row.
+  assert (full["targets_segment_ids"] == 1).all() and (full["targets"] > 0).all()
+  pad = padded["targets"] == 0
+  assert (full["targets"][pad] == 5).all()
+  np.testing.assert_array_equal(full["targets"][~pad], padded["targets"][~pad])
+  assert (got["random_full"][0]["targets_segment_ids"] == 1).all()
+
+
+def test_token_ids_times_each_variant_on_every_kind_of_batch(tmp_path, smoke_config):
+  out = tmp_path / "t.json"
+  result = subprocess.run(
+      [sys.executable, "benchmarks/token_ids.py", "--config", "configs/fra_eng.py:smoke",
+       "--data_dir", smoke_config.data.data_dir, "--tfds_dir", smoke_config.data.tfds_dir,
+       "--set", "data.num_workers='0'", "--variant", "model.embed_grad=scatter",
+       "--variant", "model.embed_grad=sorted", "--batches", "1", "--repeats", "2",
+       "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  got = json.loads(out.read_text())
+  assert list(got["results"]) == ["model.embed_grad=scatter", "model.embed_grad=sorted"]
+  for row in got["results"].values():
+    assert list(row) == ["packed", "one_per_row", "random_packed", "repeated_pad",
+                         "random_full"]
+    assert all(r["steps"] == 2 and r["median_ms"] > 0 for r in row.values())
+  assert "| model.embed_grad=sorted |" in result.stdout
+
+
+def test_train_step_defaults_to_packed_text_and_labels_the_random_control(tmp_path,
+                                                                          smoke_config):
+  out = tmp_path / "s.json"
+  result = subprocess.run(
+      [sys.executable, "benchmarks/train_step.py", "--config", "configs/fra_eng.py:smoke",
+       "--data_dir", smoke_config.data.data_dir, "--tfds_dir", smoke_config.data.tfds_dir,
+       "--set", "data.num_workers='0'", "--steps", "2", "--json", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert list(json.loads(out.read_text())["results"]) == ["packed"]
+  result = subprocess.run(
+      [sys.executable, "benchmarks/train_step.py", "--config", "configs/fra_eng.py:smoke",
+       "--batches", "random", "--steps", "2"], cwd=ROOT, capture_output=True, text=True,
+      timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "[random, control: uniform random ids]" in result.stdout
+  bad = subprocess.run([sys.executable, "benchmarks/train_step.py", "--batches", "zipf"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "--batches 'zipf': choose from packed, padded, random" in bad.stderr

@@ -36,7 +36,7 @@ def test_ctranslate2_greedy_outputs_equal_ours_on_the_validation_split(trained, 
   assert result.returncode == 0, result.stderr[-2000:]
   assert {"model.bin", "config.json", "shared_vocabulary.json", "tokenizer.model"} <= {
       p.name for p in (tmp_path / "ct2").iterdir()}
-  assert not (tmp_path / "ct2.tmp").exists()
+  assert not list(tmp_path.glob(".ct2.partial-*"))
 
   translator = Translator(workdir)
   src = encode_sources(translator.tokenizers.src, validation, translator.max_src_len)
@@ -61,6 +61,14 @@ def test_ctranslate2_greedy_outputs_equal_ours_on_the_validation_split(trained, 
   assert result.returncode == 0, result.stderr[-2000:]
   int8 = ctranslate2.Translator(str(tmp_path / "ct2_int8"), device="cpu", compute_type="int8")
   assert len(int8.translate_batch(sources, beam_size=1, max_decoding_length=max_len)) == len(src)
+
+  # With CTranslate2's own default limits (outputs up to 256 tokens, inputs up to 1024): the
+  # position table reaches them (the smoke model's outputs run to the limit, repeating).
+  ct2_module = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+  long_source = [pieces[4 + i % 100] for i in range(1000)]
+  results = ct2_module.translate_batch(sources[:4] + [long_source])
+  assert len(results) == 5
+  assert max(len(r.hypotheses[0]) for r in results) > 4 * translator.max_src_len
 
 
 def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(

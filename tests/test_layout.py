@@ -110,4 +110,4 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
       if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
         declared.add(node.name)
   assert declared == set(names.values()) | {"UserError", "CheckpointNotFoundError",
-                                            "CheckpointMismatchError"}
+                                            "CheckpointMismatchError", "CheckpointWriteError"}

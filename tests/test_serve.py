@@ -228,7 +228,35 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(trained, tmp_path, 
     get(port, "/health")
 
 
+def test_a_client_stalled_halfway_through_its_request_does_not_hold_up_shutdown(trained,
+                                                                                 tmp_path):
+  """SIGTERM while a client has sent half a request body: the server waits --shutdown_timeout
+  for it, then closes the connection and exits 0 (without the timeout it stayed up, refusing
+  new connections, for as long as the client held on)."""
+  import socket
+  _, workdir = trained
+  process, port, log = _serve(workdir, tmp_path, "--shutdown_timeout=2")
+  with socket.create_connection(("127.0.0.1", port)) as stalled:
+    body = json.dumps({"sentences": ["Hello."]}).encode()
+    stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+    get(port, "/health")  # The server has read the headers and waits for the rest.
+    process.send_signal(subprocess.signal.SIGTERM)
+    try:
+      status = process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      raise AssertionError("the server did not exit: " + log.read_text()[-3000:])
+    assert status == 0, log.read_text()[-3000:]
+    stalled.settimeout(30)
+    received = b""
+    while chunk := stalled.recv(4096):  # Until the server closes the connection.
+      received += chunk
+    assert received == b"" or received.startswith(b"HTTP/1.1 5"), received
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--shutdown_timeout=0"], "--shutdown_timeout must be positive (seconds), got 0.0"),
     (["--max_queue=4", "--max_sentences=8"], "--max_queue 4 is below --max_sentences 8"),
     (["--beam_sizes=1"], "leaves out the workdir's default beam size (4)"),
     (["--beam_sizes=0,4"], "--beam_sizes must be at least 1"),

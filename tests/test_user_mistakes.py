@@ -41,14 +41,15 @@ def _tree_digest(directory: Path) -> dict[str, str]:
           for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def _train_args(config, workdir):
-  """train.py's command line for the `trained` fixture's run."""
+def _train_args(config, workdir, num_steps=None):
+  """train.py's command line for the `trained` fixture's run (`num_steps`: to go on)."""
   return ["train.py", "--config", "configs/fra_eng.py:smoke", "--workdir", str(workdir),
           f"--config.data.data_dir={config.data.data_dir}",
           f"--config.data.tfds_dir={config.data.tfds_dir}",
           f"--config.run.compilation_cache_dir={config.run.compilation_cache_dir}",
           "--config.eval.bleu_sentences=0", "--config.data.num_workers=0",
-          f"--config.step.ema_decay={config.step.ema_decay}"]
+          f"--config.step.ema_decay={config.step.ema_decay}",
+          *([f"--config.run.num_steps={num_steps}"] if num_steps else [])]
 
 
 def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp_path):
@@ -60,14 +61,14 @@ def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp
   other.data.vocab_size = 1000
   pipeline.prepare(config_lib.parse(other).data, tmp_path / "other")
   shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
-  before = _tree_digest(workdir / "checkpoints")
+  before, whole = _tree_digest(workdir / "checkpoints"), _tree_digest(workdir)
 
   expected = (f"error: the checkpoint of step 20 in {workdir / 'checkpoints'} is intact but was "
               "trained with another vocabulary: params.src_embed.embedding has 512 rows there, "
               "1024 from the workdir's tokenizer")
-  line = _one_error_line(_run(*_train_args(config, workdir)))
+  line = _one_error_line(_run(*_train_args(config, workdir, num_steps=30)))
   assert line.startswith(expected) and line.endswith("Nothing was changed on disk"), line
-  assert _tree_digest(workdir / "checkpoints") == before
+  assert _tree_digest(workdir) == whole  # config.json (num_steps) too.
 
   # The run kept a moving average: translate restores it (ema_params) in place of params.
   translate = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.")
@@ -82,7 +83,7 @@ def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp
   assert _one_error_line(average).startswith(
       f"error: the checkpoint of step 10 in {workdir / 'checkpoints'} is intact but was trained "
       "with another vocabulary")
-  assert not (tmp_path / "avg").exists() and not (tmp_path / "avg.tmp").exists()
+  assert not (tmp_path / "avg").exists() and not list(tmp_path.glob(".avg.partial-*"))
   assert _tree_digest(workdir / "checkpoints") == before
 
 

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from transformer_jax import fs
 from transformer_jax.errors import UserError
 
 PLUGINS_ENV = "TRANSFORMER_JAX_AOT_PLUGINS"
@@ -390,9 +391,7 @@ def _save_executable(compiled, lowered, target: Target, num_devices: int, path: 
   blob = {"format": _FORMAT, "jax": jax.__version__, "platform": target.platform,
           "target": target.name, "num_devices": num_devices,
           "program_sha256": _program_digest(lowered), "executable": payload}
-  partial = Path(f"{path}.tmp")
-  partial.write_bytes(pickle.dumps(blob))
-  partial.replace(path)
+  fs.replace_file(path, pickle.dumps(blob))
 
 
 def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max_len: int):

@@ -8,8 +8,8 @@ The new checkpoint is an ordinary one of the newest step, so that `translate` re
 any other (and `train.py` could go on from it): the averaged parameters (and moving averages,
 where the run kept them); the rest of the state (optimizer moments, step, dropout key) and the
 data position of the newest checkpoint; the workdir's config.json and tokenizer files. Every averaged checkpoint is verified against its
-fingerprints first. Nothing half-written is left: the new workdir is built under OUTPUT.tmp and
-renamed when complete.
+fingerprints first. Nothing half-written is left: the new workdir is built in a new directory
+beside OUTPUT (`.OUTPUT.partial-XXXX`, never one that exists) and renamed when complete.
 """
 
 from __future__ import annotations
@@ -77,13 +77,11 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
   params, ema_params = jax.tree.map(lambda x: x / len(steps), total)
   averaged = state.replace(params=params, ema_params=ema_params)
 
-  partial = output.with_name(output.name + ".tmp")
-  shutil.rmtree(partial, ignore_errors=True)  # Left by an earlier, interrupted run.
-  source_dir.copy_run_files(partial, run.tokenizers)
-  (partial / "averaged_from.json").write_text(json.dumps(
-      {"workdir": str(source_dir.path.absolute()), "steps": steps}, indent=2))
-  target = Workdir(partial).checkpointer()
-  target.save(steps[-1], averaged, data, force=True)
-  target.close()
-  partial.rename(output)
+  with fs.new_directory(output) as partial:
+    source_dir.copy_run_files(partial, run.tokenizers)
+    (partial / "averaged_from.json").write_text(json.dumps(
+        {"workdir": str(source_dir.path.absolute()), "steps": steps}, indent=2))
+    target = Workdir(partial).checkpointer()
+    target.save(steps[-1], averaged, data, force=True)
+    target.close()
   return steps

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging as std_logging
 import shutil
 import sys
 import warnings
@@ -24,6 +26,33 @@ class CheckpointNotFoundError(UserError, FileNotFoundError):
 
 class CheckpointDamagedError(UserError, RuntimeError):
   """No checkpoint of a directory could be read back and verified."""
+
+
+class CheckpointWriteError(UserError, OSError):
+  """A checkpoint could not be written (the disk is full): earlier checkpoints are intact."""
+
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+_NO_SPACE = ("No space left on device", "os_error_code='28'")
+
+
+@contextlib.contextmanager
+def _writing(directory: Path):
+  """Turns a checkpoint write that fails for want of space (tensorstore reports it as a
+  RESOURCE_EXHAUSTED ValueError, from orbax's background thread) into one CheckpointWriteError,
+  and quiets the echoes of the same failure from the other writes in flight."""
+  try:
+    yield
+  except Exception as e:
+    if isinstance(e, UserError) or not any(s in str(e) for s in _NO_SPACE):
+      raise
+    _drop_echoes(("write_fragment", "_write_array", "async_serialize"))
+    raise CheckpointWriteError(
+        f"a checkpoint could not be written to {directory}: no space left on device. The "
+        "checkpoints before it are intact; free some space and run the same command to go on "
+        "from the latest one") from None
 
 
 class CheckpointMismatchError(UserError, ValueError):
@@ -85,8 +114,12 @@ class Checkpointer:
   verify is reported by step and the one before it is used.
   """
 
-  def __init__(self, directory: str | Path, save_every: int, keep: int, read_only: bool = False):
+  def __init__(self, directory: str | Path, save_every: int, keep: int, read_only: bool = False,
+               tokenizer_digest: str | None = None):
+    """`tokenizer_digest`: the identity of the tokenizers the state belongs with, saved with
+    each checkpoint and checked against the one saved before any array is read."""
     self.directory = Path(directory).absolute()
+    self.tokenizer_digest = tokenizer_digest
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -98,9 +131,25 @@ class Checkpointer:
 
   def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
     """Saves if `step` is on the interval (or `force`); returns whether it did."""
-    return self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-        fingerprints=ocp.args.JsonSave(fingerprint_dict(state))), force=force)
+    items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                 fingerprints=ocp.args.JsonSave(fingerprint_dict(state)))
+    if self.tokenizer_digest:
+      items["tokenizer"] = ocp.args.JsonSave({"sha256": self.tokenizer_digest})
+    with _writing(self.directory):  # The previous save's failure surfaces here.
+      return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+  def check_tokenizer(self, step: int) -> None:
+    """Raises CheckpointMismatchError where the checkpoint was saved with other tokenizers than
+    this checkpointer's (one saved before tokenizers were recorded is not checked)."""
+    if not self.tokenizer_digest or not (self.directory / str(step) / "tokenizer").exists():
+      return
+    saved = self.manager.restore(step, args=ocp.args.Composite(
+        tokenizer=ocp.args.JsonRestore())).tokenizer
+    if saved.get("sha256") != self.tokenizer_digest:
+      raise CheckpointMismatchError(
+          f"the checkpoint of step {step} in {self.directory} is intact but was trained with "
+          "another tokenizer: the workdir's tokenizer file is not the one its checkpoints were "
+          "trained with (same size or not). Nothing was changed on disk")
 
   def restore_latest(self, state_like, state_shardings) -> tuple[int, object, dict] | None:
     """(step, state, data position) of the newest checkpoint that reads back and verifies;
@@ -139,6 +188,7 @@ class Checkpointer:
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_like, state_shardings)
     self.check_fits(step, target)
+    self.check_tokenizer(step)
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     return restored.state, restored.data
@@ -181,6 +231,7 @@ class Checkpointer:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         nn.meta.unbox(boxed_params_like), shardings)}
     self.check_fits(step, target)
+    self.check_tokenizer(step)
     restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)))
@@ -267,11 +318,14 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until the checkpoint being written is on disk."""
-    self.manager.wait_until_finished()
+    with _writing(self.directory):
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
 
 
 _ABANDONED_READ_ERRORS = ("Event loop is closed", "Encountered error while reading array index")
@@ -298,3 +352,17 @@ def _drop_abandoned_read_errors() -> None:
   sys.unraisablehook = hook
   warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
                           "awaited", RuntimeWarning)
+
+
+def _drop_echoes(names: tuple[str, ...]) -> None:
+  """Quiets the echoes of a write that failed (and is reported once as an error line): the
+  other writes in flight fail alike, or are collected at exit unfinished, and each would print
+  its traceback through `sys.unraisablehook` or asyncio's logger."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not any(n in repr(unraisable.object) for n in names):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)

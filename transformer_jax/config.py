@@ -20,6 +20,8 @@ own fields as it is made. This module imports no subsystem.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,18 @@ def check(ok: bool, message: str) -> None:
     raise ConfigError(message)
 
 
+def _has_type(value, kind) -> bool:
+  if kind is type(None):
+    return value is None
+  if typing.get_origin(kind) is tuple:  # tuple[int, ...]
+    return isinstance(value, (tuple, list)) and all(_has_type(v, int) for v in value)
+  if kind is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if kind is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, kind)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Section:
   """A config section: made from its fields, it checks them (ConfigError naming the first bad
@@ -47,7 +61,20 @@ class _Section:
   NAME = ""
 
   def __post_init__(self):
+    self._check_types()
     self.check()
+
+  def _check_types(self) -> None:
+    """Each field holds a value of its annotated type (a config.json edited by hand may hold
+    2.5 for a beam size): an int is no bool, a float may be an int, a tuple may be a list."""
+    hints = typing.get_type_hints(type(self))
+    for f in dataclasses.fields(self):
+      value, hint = getattr(self, f.name), hints[f.name]
+      options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+      if not any(_has_type(value, t) for t in options):
+        names = " or ".join("None" if t is type(None) else getattr(t, "__name__", str(t))
+                            for t in options)
+        raise ConfigError(f"{self.NAME}.{f.name}={value!r} must be {names}")
 
   def check(self) -> None:
     pass
@@ -346,6 +373,14 @@ def _unflattened(saved: dict[str, Any]) -> dict[str, Any]:
     else:
       nested[key] = value  # Unknown: parse names it.
   return nested
+
+
+def names_this_projects_fields(saved: Mapping[str, Any]) -> bool:
+  """Whether a saved JSON object is a config of this project (sectioned, or flat from before
+  sections): it names at least one of its sections or fields. Another program's config.json (a
+  CTranslate2 model's, say) names none."""
+  homes = _flat_homes()
+  return any(k in SECTIONS or k in homes for k in saved)
 
 
 def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,

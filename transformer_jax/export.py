@@ -15,7 +15,8 @@ few source widths (any batch size), the parameters as `params.npz` and the Sente
 model; `transformer_jax.exported.ExportedTranslator` runs them with jax, NumPy and
 SentencePiece only.
 
-Either is built under OUT.tmp and renamed to OUT when complete: nothing half-written is left.
+Either is built in a new directory beside OUT (`.OUT.partial-XXXX`) and renamed to OUT when
+complete: nothing half-written is left, and nothing that exists is cleared.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ FORMATS = ("ctranslate2", "jax")
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
                  "bfloat16", "float32")
 JAX_MANIFEST = "export.json"
+CT2_DEFAULT_POSITIONS = 1025  # Positions CTranslate2's default length limits can reach.
 JAX_PARAMS = "params.npz"
 
 
@@ -62,14 +64,16 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
     raise ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
   if output.exists():
     raise ExportError(f"{output} exists; name a new directory for the exported model")
+  if Path(workdir).resolve() in output.resolve().parents:
+    raise ExportError(f"{output} is inside the workdir {workdir}: name a directory outside it "
+                      "(its files are the run's)")
+  if alpha is not None and alpha < 0:
+    raise ExportError(f"--alpha must be >= 0 (0: no length penalty), got {alpha}")
   fs.check_writable(output, "the output")
   translator = Translator(workdir, step, ema=True)
   if not isinstance(translator.tokenizers.src, SentencePiece):
     raise ExportError(f"{workdir} uses word vocabularies; export needs a SentencePiece workdir")
-  partial = output.with_name(output.name + ".tmp")
-  shutil.rmtree(partial, ignore_errors=True)
-  partial.mkdir(parents=True)
-  try:
+  with fs.new_directory(output) as partial:
     if to == "ctranslate2":
       _to_ctranslate2(translator, partial, quantization)
     else:
@@ -77,9 +81,6 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
       _to_jax(translator, partial, beam_size or decode.beam_size,
               decode.alpha if alpha is None else alpha)
     (partial / SPM_FILE).write_bytes(translator.tokenizers.src.model_proto)
-    partial.rename(output)
-  finally:
-    shutil.rmtree(partial, ignore_errors=True)
   logging.info("Exported step %s of %s to %s (%s)", translator.step, workdir, output, to)
   return output
 
@@ -111,9 +112,11 @@ def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None)
 
   src_table = params["src_embed"]["embedding"]  # [V, D]
   tgt_table = src_table if cfg.share_embeddings else params["tgt_embed"]["embedding"]
-  # Positions 0 .. 4 x max_len: the longest output translate allows.
-  positions = np.array(sinusoidal_positions(
-      jnp.arange(4 * translator.max_src_len + 1)[None], cfg.d_model))[0]  # [P, D]
+  # Positions 0 .. P - 1 for P covering the longest output translate allows (4 x max_len) and
+  # CTranslate2's own default limits (max_input_length 1024, max_decoding_length 256, +1 for
+  # <bos>): a call with its defaults must not run past the table.
+  rows = max(4 * translator.max_src_len + 1, CT2_DEFAULT_POSITIONS)
+  positions = np.array(sinusoidal_positions(jnp.arange(rows)[None], cfg.d_model))[0]  # [P, D]
   spec.encoder.embeddings[0].weight = src_table
   spec.decoder.embeddings.weight = tgt_table
   spec.encoder.position_encodings.encodings = positions

@@ -3,6 +3,8 @@ fills or a directory that goes away, is worded by errors.describe_os_error)."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,3 +34,35 @@ def check_writable(path: str | Path, what: str) -> None:
   except OSError as e:
     raise NotWritableError(f"{what} {path} cannot be written: {e.strerror} (in {existing})"
                            ) from None
+
+
+@contextlib.contextmanager
+def new_directory(output: str | Path):
+  """Yields a new, empty directory beside `output`, renamed to `output` when the block
+  completes and removed when it does not. Its name is made afresh (`.NAME.partial-XXXX`), so
+  that nothing a user owns is ever cleared to make room for it, and nothing half-written is
+  left at `output`."""
+  output = Path(output)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  partial = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+  try:
+    yield partial
+    if output.exists():  # Made by someone else meanwhile: theirs stays.
+      raise NotWritableError(f"{output} appeared while it was being written; nothing of it "
+                             "was changed")
+    partial.rename(output)
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def replace_file(path: str | Path, data: bytes) -> None:
+  """Writes `data` to `path` whole or not at all: into a new file beside it (a fresh name, so
+  no other file is touched), then renamed over `path`."""
+  path = Path(path)
+  handle, partial = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+  try:
+    with open(handle, "wb") as f:
+      f.write(data)
+    Path(partial).replace(path)
+  finally:
+    Path(partial).unlink(missing_ok=True)

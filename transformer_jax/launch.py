@@ -39,9 +39,31 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int, 
                  jax.process_count(), jax.device_count())
 
 
+def command_help(module_name: str) -> str:
+  """A command's --help: its module's docstring and the flags it defines, with their defaults."""
+  module = sys.modules[module_name]
+  lines = [(module.__doc__ or "").strip(), "", "flags:"]
+  for flag in sorted(flags.FLAGS.get_flags_for_module(module_name), key=lambda f: f.name):
+    default = f" (default: {flag.default_as_str})" if flag.default is not None else ""
+    lines.append(f"  --{flag.name}: {' '.join((flag.help or '').split())}{default}")
+  return "\n".join(lines)
+
+
+def flags_parser(module_name: str):
+  """`parse_flags` for the command defined in `module_name`, whose --help (-h, --helpshort)
+  prints the command's docstring and flags and exits 0 (absl's lists none of them: they are
+  not defined in the main module)."""
+  def parse(argv: list[str]) -> list[str]:
+    if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
+      print(command_help(module_name))
+      sys.exit(0)
+    return parse_flags(argv)
+  return parse
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad flag, config file or config override reported in one
-  line."""
+  """absl's flag parsing, with a bad flag, flag value, config file or config override reported
+  in one line."""
   for i, arg in enumerate(argv):  # absl only says it failed loading "config_config".
     value = (arg.split("=", 1)[1] if arg.startswith("--config=") else
              argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)

@@ -42,8 +42,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
       wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"),
       tokenizer_from=source and source.path)
   workdir.mkdir(parents=True, exist_ok=True)
-  if primary:  # One writer.
-    run_dir.write_config(cfg)
   jax.config.update("jax_compilation_cache_dir",
                     run.compilation_cache_dir or str(run_dir.jax_cache))
   model = Transformer(sections.model_config(cfg.model, data.tokenizers.src.vocab_size,
@@ -83,6 +81,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   else:
     start = 0
     logging.info("No checkpoint in %s: starting from scratch", ckpt.directory)
+  if primary:  # One writer; only once the checkpoints are known to be this run's.
+    run_dir.write_config(cfg)
 
   writer = writers.create(workdir, primary, resume_step=start)
   if start == 0:

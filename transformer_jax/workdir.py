@@ -31,6 +31,9 @@ from transformer_jax.model import Transformer
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 JAX_CACHE = "jax_cache"
+# What a run may have written before its config.json (besides TensorBoard's event files).
+_WRITTEN_BEFORE_CONFIG = {CHECKPOINTS, JAX_CACHE, "tokenizer.model", "vocab.json",
+                          "metrics.jsonl"}
 
 
 class WorkdirError(UserError, ValueError):
@@ -89,6 +92,10 @@ class Workdir:
     if not isinstance(saved, dict):
       raise WorkdirError(f"{self.config_file} is damaged (not a JSON object); restore it from a "
                          "copy")
+    if not config_lib.names_this_projects_fields(saved):
+      raise WorkdirError(f"{self.config_file} is not a training run's config (it names none of "
+                         f"the config's sections or fields): {self.path} is not a training "
+                         "workdir")
     try:
       return config_lib.parse(saved, ignore_unknown=True)
     except (config_lib.ConfigError, TypeError) as e:
@@ -108,6 +115,7 @@ class Workdir:
     cfg = config_lib.parse(cfg)
     if self.path.exists() and not self.path.is_dir():
       raise WorkdirError(f"--workdir {self.path} is a file, not a directory")
+    self.check_is_a_run()
     steps = self.checkpoint_steps()
     if steps and self.config_file.exists():
       saved = self.load_config()
@@ -117,6 +125,23 @@ class Workdir:
       raise WorkdirError(
           f"run.num_steps={cfg.run.num_steps} is below the latest checkpoint's step "
           f"({steps[-1]}) in {self.checkpoints}; raise it to train on, or use a new workdir")
+
+  def check_is_a_run(self) -> None:
+    """Raises WorkdirError unless the directory is missing, empty, or a run's: train.py writes
+    into nothing else. A run's holds this project's config.json or, where it stopped before
+    writing one, only what a run writes first."""
+    if not self.path.is_dir() or not any(self.path.iterdir()):
+      return
+    if self.config_file.exists():
+      self.load_config()  # Raises where it is another program's config.json, or damaged.
+      return
+    foreign = sorted(p.name for p in self.path.iterdir()
+                     if p.name not in _WRITTEN_BEFORE_CONFIG
+                     and not p.name.startswith("events.out.tfevents."))
+    if foreign:
+      shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+      raise WorkdirError(f"--workdir {self.path} is not a training workdir (it holds {shown} "
+                         f"and no {CONFIG}): name a new or empty directory, or a run's")
 
   # Opening a trained run.
 
@@ -138,7 +163,9 @@ class Workdir:
                    read_only: bool = False) -> checkpoint.Checkpointer:
     if read_only and not self.checkpoints.is_dir():
       raise WorkdirError(f"{self.path} holds no {CHECKPOINTS}/ directory")
-    return checkpoint.Checkpointer(self.checkpoints, save_every, keep, read_only=read_only)
+    tokenizers = Tokenizers.load(self.path)
+    return checkpoint.Checkpointer(self.checkpoints, save_every, keep, read_only=read_only,
+                                   tokenizer_digest=tokenizers and tokenizers.digest())
 
   def read_params(self, model: Transformer, mesh, key: str = "params",
                   step: int | None = None) -> tuple[int, object]:

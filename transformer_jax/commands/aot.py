@@ -83,4 +83,4 @@ def run() -> None:
   from absl import app
   from transformer_jax import launch
   define_flags()
-  app.run(main, flags_parser=launch.parse_flags)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from transformer_jax import errors
+from transformer_jax import errors, launch
 from transformer_jax.average import AverageError, average_checkpoints
 
 
@@ -31,4 +31,4 @@ def main(argv):
 
 def run() -> None:
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import errors  # noqa: E402
+from transformer_jax import errors, launch  # noqa: E402
 from transformer_jax.export import FORMATS, ExportError, export  # noqa: E402
 
 
@@ -47,4 +47,4 @@ def main(argv):
 
 def run() -> None:
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

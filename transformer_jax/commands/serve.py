@@ -22,7 +22,7 @@ import socket  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from transformer_jax import errors  # noqa: E402
+from transformer_jax import errors, launch  # noqa: E402
 from transformer_jax.errors import UserError  # noqa: E402
 
 
@@ -60,18 +60,23 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_request_bytes", 65536, "Largest request body.")
   flags.DEFINE_integer("max_sentences", 64, "Most sentences in one request.")
   flags.DEFINE_integer("max_sentence_chars", 2000, "Longest sentence, in characters.")
+  flags.DEFINE_float("shutdown_timeout", 30.0, "On SIGTERM or SIGINT, seconds to wait for the "
+                     "open requests to finish (queued sentences are decoded and answered) "
+                     "before the connections still open, such as a client stalled halfway "
+                     "through sending its request, are closed.")
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
                       "restart then compiles nothing); default: the training run's "
                       "(run.compilation_cache_dir, or WORKDIR/jax_cache).")
 
 
-def _check_port(host: str, port: int) -> None:
-  """Raises before the model is loaded when the address cannot be listened on."""
+def _listen(host: str, port: int) -> socket.socket:
+  """The listening socket, bound before the model is loaded: the address is this server's from
+  then on (a second server started at the same time gets a one-line error, not a bind failure
+  after its model loaded)."""
   if not 0 < port < 65536:
     raise ServeError(f"--port must be from 1 to 65535, got {port}")
   try:
-    with socket.create_server((host, port)):
-      pass
+    return socket.create_server((host, port), backlog=2048)
   except OSError as e:
     raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
@@ -92,17 +97,22 @@ def main(argv):
                        f"{FLAGS.max_sentences}: a full request could never be queued")
     if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0:
       raise ServeError("--batch_tokens and --max_wait_ms must be 0 or positive")
+    if not FLAGS.shutdown_timeout > 0:
+      raise ServeError(f"--shutdown_timeout must be positive (seconds), got "
+                       f"{FLAGS.shutdown_timeout}")
     try:
       beam_sizes = tuple(sorted({int(b) for b in FLAGS.beam_sizes or ()}))
     except ValueError:
       raise ServeError(f"--beam_sizes must be integers, got {FLAGS.beam_sizes}") from None
     if any(b < 1 for b in beam_sizes):
       raise ServeError(f"--beam_sizes must be at least 1, got {FLAGS.beam_sizes}")
-    _check_port(FLAGS.host, FLAGS.port)
-
-    import uvicorn  # The server's libraries: imported once the flags are known good.
-
-    from transformer_jax.server import Service, Settings, create_app
+    try:  # The server's libraries: imported once the flags are known good.
+      import uvicorn
+      from transformer_jax.server import Service, Settings, create_app
+    except ImportError as e:
+      raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
+                       "'transformer_jax[serve]'") from None
+    listening = _listen(FLAGS.host, FLAGS.port)
     from transformer_jax.translator import Translator
     from transformer_jax.workdir import Workdir
 
@@ -126,7 +136,7 @@ def main(argv):
     service = Service(Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema), settings)
     server = uvicorn.Server(uvicorn.Config(
         create_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
-        access_log=False, lifespan="on", timeout_graceful_shutdown=None,
+        access_log=False, lifespan="on", timeout_graceful_shutdown=FLAGS.shutdown_timeout,
         limit_concurrency=FLAGS.max_connections))
     # uvicorn drains on SIGTERM or SIGINT, then raises the signal again: answered here, so that
     # a drained server exits 0.
@@ -134,10 +144,10 @@ def main(argv):
       signal.signal(sig, lambda *_: None)
     logging.info("serving on http://%s:%d; compiling the decoder (GET /ready says when done)",
                  FLAGS.host, FLAGS.port)
-    server.run()
+    server.run(sockets=[listening])
     logging.info("shut down")
 
 
 def run() -> None:
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

@@ -44,4 +44,4 @@ def main(argv):
 
 def run() -> None:
   define_flags()
-  app.run(main, flags_parser=launch.parse_flags)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

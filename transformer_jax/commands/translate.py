@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import errors, fs  # noqa: E402
+from transformer_jax import errors, fs, launch  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
@@ -37,12 +37,16 @@ from transformer_jax.workdir import Workdir  # noqa: E402
 
 
 def read_lines(path: str) -> list[str]:
-  """The lines of a UTF-8 text file; an error names the first line that is not UTF-8."""
+  """The lines of a UTF-8 text file, ended by "\n" (or "\r\n"), as `wc -l` counts them: a
+  lone "\r" inside a line stays in it. An error names the first line that is not UTF-8."""
   p = Path(path)
   if not p.is_file():
     raise InferenceError(f"{path} does not exist or is not a file")
+  raw_lines = p.read_bytes().split(b"\n")
+  if raw_lines[-1] == b"":  # The file ends with "\n" (or is empty).
+    raw_lines.pop()
   lines = []
-  for number, raw in enumerate(p.read_bytes().splitlines(), 1):
+  for number, raw in enumerate((r.removesuffix(b"\r") for r in raw_lines), 1):
     try:
       lines.append(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -148,6 +152,10 @@ def main(argv):
                            f"{FLAGS.max_len}")
     if FLAGS.output:
       check_output_path(FLAGS.output)
+      for workdir in FLAGS.workdir:
+        if Path(workdir).resolve() in Path(FLAGS.output).resolve().parents:
+          raise InferenceError(f"--output {FLAGS.output} is inside the workdir {workdir}: "
+                               "name a file outside it (its files are the run's)")
     if FLAGS.n_best < 0:
       raise InferenceError(f"--n_best must be 0 (off) or positive, got {FLAGS.n_best}")
     if FLAGS.n_best and FLAGS.long_beam_size:
@@ -163,6 +171,12 @@ def main(argv):
     if references is not None and not any(line.strip() for line in lines):
       raise InferenceError(f"--input {FLAGS.input} holds no sentence: nothing to translate or "
                            "score")
+    # A line with characters but no token (say, only U+200B) is refused before the model loads.
+    tokenizer = Workdir(FLAGS.workdir[0]).tokenizers().src
+    for number, (line, ids) in enumerate(zip(lines, tokenizer.encode(lines)), 1):
+      if line.strip() and not ids:
+        raise InferenceError(f"sentence {number} is empty (it holds no character the tokenizer "
+                             f"keeps: {line[:20]!r})")
     # The recipe's decoding settings (the workdir's config), unless a flag overrides one.
     defaults = dataclasses.asdict(Workdir(FLAGS.workdir[0]).load_config().decode)
     for name in defaults:
@@ -206,4 +220,4 @@ def main(argv):
 
 def run() -> None:
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

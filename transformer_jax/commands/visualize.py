@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import errors, fs  # noqa: E402
+from transformer_jax import errors, fs, launch  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 
 
@@ -46,4 +46,4 @@ def main(argv):
 
 def run() -> None:
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=launch.flags_parser(__name__))

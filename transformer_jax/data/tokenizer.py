@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import io
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -120,14 +121,22 @@ class Tokenizers(NamedTuple):
     return all(type(a) is type(b) and a.pieces() == b.pieces()
                for a, b in ((self.src, other.src), (self.tgt, other.tgt)))
 
+  def _serialized(self) -> tuple[str, bytes]:
+    """(file name, bytes) as a workdir holds them."""
+    if isinstance(self.src, SentencePiece):
+      return SPM_FILE, self.src.model_proto
+    return WORD_FILE, json.dumps({"src": self.src.tokens, "tgt": self.tgt.tokens}).encode()
+
   def save(self, workdir: str | Path) -> None:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    if isinstance(self.src, SentencePiece):
-      _atomic_write(workdir / SPM_FILE, self.src.model_proto)
-    else:
-      payload = json.dumps({"src": self.src.tokens, "tgt": self.tgt.tokens}).encode()
-      _atomic_write(workdir / WORD_FILE, payload)
+    name, payload = self._serialized()
+    _atomic_write(workdir / name, payload)
+
+  def digest(self) -> str:
+    """The tokenizers' identity: sha256 of what `save` writes. Two vocabularies of one size
+    (which pad to the same embedding shape) differ here."""
+    return hashlib.sha256(self._serialized()[1]).hexdigest()
 
   @staticmethod
   def load(workdir: str | Path) -> "Tokenizers | None":

@@ -1,0 +1,118 @@
+"""Every command's --help and bad flag values, and the input a command reads as a user's tools
+count it: each answer is the command's flags, or one `error:` line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import portpicker
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_user_mistakes import _one_error_line, _run
+
+COMMANDS = ("train", "translate", "average", "visualize", "aot", "export", "serve")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_lists_the_commands_flags_and_exits_0(command):
+  result = _run("-m", "transformer_jax", command, "--help", timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "--workdir" in result.stdout or command == "aot"
+  assert "flags:" in result.stdout and "--helpfull" not in result.stdout
+  if command == "aot":
+    assert "--topology:" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["translate", "--workdir=w", "--beam_size=abc", "Hi."],
+     "error: flag --beam_size=abc: invalid literal for int() with base 10: 'abc'"),
+    (["serve", "--workdir=w", "--port=x"],
+     "error: flag --port=x: invalid literal for int() with base 10: 'x'"),
+    (["export", "--workdir=w", "--to=onnx", "out"],
+     "error: flag --to=onnx: value should be one of <ctranslate2|jax>"),
+])
+def test_a_bad_flag_value_is_one_line(args, message):
+  assert _one_error_line(_run("-m", "transformer_jax", *args, timeout=120)) == message
+
+
+def test_serve_without_its_extra_names_the_install(trained):
+  _, workdir = trained
+  script = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split(".")[0] in {{"uvicorn", "starlette"}}:
+      raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+sys.argv = ["transformer_jax", "serve", "--workdir={workdir}", "--port={portpicker.pick_unused_port()}"]
+from transformer_jax.__main__ import main
+main()
+"""
+  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert _one_error_line(result) == (
+      "error: serve needs the serve extra (uvicorn is not installed): pip install "
+      "'transformer_jax[serve]'")
+
+
+def test_two_servers_started_together_one_serves_one_says_why_not(trained, tmp_path):
+  """The address is taken before the model loads: the second server's error is one line."""
+  from benchmarks.serve_load import start_server, stop_server, wait_ready
+  _, workdir = trained
+  port = portpicker.pick_unused_port()
+  logs = [open(tmp_path / f"s{i}.log", "w") for i in range(2)]
+  servers = [start_server(str(workdir), port, log=log) for log in logs]
+  try:
+    deadline = time.monotonic() + 300
+    while all(s.poll() is None for s in servers) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    losers = [i for i, s in enumerate(servers) if s.poll() is not None]
+    assert len(losers) == 1, [(tmp_path / f"s{i}.log").read_text()[-2000:] for i in range(2)]
+    loser = losers[0]
+    wait_ready(servers[1 - loser], port, timeout=600)
+    text = (tmp_path / f"s{loser}.log").read_text()
+    assert servers[loser].returncode == 1, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use"), text
+    assert "Traceback" not in text
+  finally:
+    for s in servers:
+      if s.poll() is None:
+        assert stop_server(s) == 0
+
+
+def test_translate_counts_lines_as_wc_does_and_refuses_a_line_without_tokens(trained, tmp_path):
+  _, workdir = trained
+  carriage = tmp_path / "cr.txt"
+  carriage.write_bytes(b"Hello.\rGo on.\r\nBye.\n")  # A lone \r inside line 1; CRLF ends it.
+  out = tmp_path / "out.txt"
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "--input",
+                str(carriage), "--output", str(out))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert len(out.read_text().splitlines()) == 2  # wc -l: 2.
+
+  invisible = tmp_path / "zw.txt"
+  invisible.write_text("Hello.\n\u200b\nGo.\n")
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "--input",
+                str(invisible), "--output", str(out))
+  assert _one_error_line(result) == ("error: sentence 2 is empty (it holds no character the "
+                                     "tokenizer keeps: '\\u200b')")
+  assert "translating" not in result.stderr  # Refused before the model loaded.
+
+
+def test_a_field_of_the_wrong_type_in_config_json_is_one_line(trained, tmp_path):
+  import json
+  import shutil
+  _, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["decode"]["beam_size"] = 2.5
+  (workdir / "config.json").write_text(json.dumps(saved))
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.")
+  assert _one_error_line(result) == (f"error: {workdir / 'config.json'} is damaged "
+                                     "(decode.beam_size=2.5 must be int); restore it from a copy")

@@ -1,0 +1,142 @@
+"""Nothing a user owns is deleted or overwritten: each command that would is refused with one
+line before any work, and every file that existed before is byte for byte as it was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.test_user_mistakes import _one_error_line, _run, _train_args, _tree_digest
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+  """A copy of the smoke run, named `run.tmp`: what export and average once used as their
+  scratch directory for an output named `run`."""
+  workdir = tmp_path / "run.tmp"
+  shutil.copytree(trained[1], workdir)
+  return workdir
+
+
+def test_export_next_to_a_workdir_named_like_its_scratch_space_keeps_it(run_copy):
+  before = _tree_digest(run_copy)
+  out = run_copy.parent / "run"
+  result = _run("-m", "transformer_jax", "export", "--workdir", str(run_copy), "--to",
+                "ctranslate2", str(out))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert _tree_digest(run_copy) == before
+  assert (out / "model.bin").is_file()
+  assert not list(run_copy.parent.glob(".run.partial-*"))  # Its own scratch space is gone.
+
+
+def test_average_next_to_a_workdir_named_like_its_scratch_space_keeps_it(run_copy):
+  before = _tree_digest(run_copy)
+  out = run_copy.parent / "run"
+  result = _run("-m", "transformer_jax", "average", "--workdir", str(run_copy), "--last", "2",
+                "--output", str(out))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert _tree_digest(run_copy) == before
+  assert (out / "checkpoints").is_dir()
+  assert not list(run_copy.parent.glob(".run.partial-*"))
+
+
+@pytest.mark.parametrize("files,message", [
+    # A CTranslate2 export: its own config.json, which train.py once replaced.
+    ({"config.json": json.dumps({"add_source_bos": False, "bos_token": "<s>",
+                                 "layer_norm_epsilon": 1e-6}), "model.bin": "weights"},
+     "is not a training run's config (it names none of the config's sections or fields)"),
+    ({"notes.txt": "mine", "data.csv": "1,2"},
+     "is not a training workdir (it holds data.csv, notes.txt and no config.json)"),
+])
+def test_train_refuses_a_directory_that_is_not_a_run(trained, tmp_path, files, message):
+  config, _ = trained
+  foreign = tmp_path / "foreign"
+  foreign.mkdir()
+  for name, text in files.items():
+    (foreign / name).write_text(text)
+  before = _tree_digest(foreign)
+  result = _run(*_train_args(config, foreign))
+  assert message in _one_error_line(result)
+  assert _tree_digest(foreign) == before
+
+
+@pytest.mark.parametrize("inside", ["config.json", "tokenizer.model", "checkpoints/out.txt",
+                                    "new.txt"])
+def test_translate_output_inside_the_workdir_is_refused(run_copy, inside):
+  before = _tree_digest(run_copy)
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(run_copy), "--output",
+                str(run_copy / inside), "Hello.")
+  assert _one_error_line(result) == (
+      f"error: --output {run_copy / inside} is inside the workdir {run_copy}: name a file "
+      "outside it (its files are the run's)")
+  assert _tree_digest(run_copy) == before
+
+
+def test_a_tokenizer_of_the_same_size_is_caught_by_its_identity(trained, tmp_path):
+  """Fitted on another sample, it has as many pieces: the embedding shapes agree, and only the
+  tokenizer's identity saved with each checkpoint tells them apart."""
+  from transformer_jax import config as config_lib
+  from transformer_jax.data import pipeline
+  from transformer_jax.data.tokenizer import Tokenizers
+  config, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  other = config.copy_and_resolve_references()
+  other.data.tokenizer_sample = 1500
+  pipeline.prepare(config_lib.parse(other).data, tmp_path / "other")
+  theirs, ours = Tokenizers.load(tmp_path / "other"), Tokenizers.load(workdir)
+  assert theirs.src.vocab_size == ours.src.vocab_size and theirs.digest() != ours.digest()
+  shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
+  before = _tree_digest(workdir)
+
+  expected = (f"error: the checkpoint of step 20 in {workdir / 'checkpoints'} is intact but was "
+              "trained with another tokenizer")
+  assert _one_error_line(_run(*_train_args(config, workdir, num_steps=30))).startswith(expected)
+  translate = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.")
+  assert _one_error_line(translate).startswith(expected)
+  assert _tree_digest(workdir) == before
+  # With its own tokenizer back, the run goes on.
+  shutil.copy(source / "tokenizer.model", workdir / "tokenizer.model")
+  result = _run("-m", "transformer_jax", "translate", "--workdir", str(workdir), "Go.")
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--to", "ctranslate2", "{w}/checkpoints/30"],
+     "error: {w}/checkpoints/30 is inside the workdir {w}: name a directory outside it (its "
+     "files are the run's)"),
+    (["--to", "jax", "--alpha", "-1", "{out}"],
+     "error: --alpha must be >= 0 (0: no length penalty), got -1.0"),
+])
+def test_export_refuses_an_output_inside_the_workdir_and_a_negative_alpha(run_copy, args,
+                                                                          message):
+  out = run_copy.parent / "exported"
+  fill = lambda text: text.format(w=run_copy, out=out)
+  before = _tree_digest(run_copy)
+  result = _run("-m", "transformer_jax", "export", "--workdir", str(run_copy),
+                *map(fill, args))
+  assert _one_error_line(result) == fill(message)
+  assert _tree_digest(run_copy) == before and not out.exists()
+
+
+def test_a_disk_that_fills_at_a_checkpoint_is_one_line(trained, tmp_path):
+  """train.py on a 1.5 MB file system of its own (a tmpfs in a private mount namespace): the
+  checkpoint that does not fit ends the run with one line, no traceback from orbax's writers."""
+  import shlex
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  config, _ = trained
+  small = tmp_path / "small"
+  small.mkdir()
+  train = " ".join(shlex.quote(a) for a in [sys.executable, *_train_args(config, small / "w")])
+  result = subprocess.run(
+      ["unshare", "--map-root-user", "--mount", "sh", "-c",
+       f"mount -t tmpfs -o size=1500k tmpfs {shlex.quote(str(small))} && exec {train}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  line = _one_error_line(result)
+  assert line.startswith(f"error: a checkpoint could not be written to {small / 'w'}/checkpoints: "
+                         "no space left on device. The checkpoints before it are intact"), line
+  assert "Exception ignored" not in result.stderr
