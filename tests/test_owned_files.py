@@ -140,3 +140,28 @@ def test_a_disk_that_fills_at_a_checkpoint_is_one_line(trained, tmp_path):
   assert line.startswith(f"error: a checkpoint could not be written to {small / 'w'}/checkpoints: "
                          "no space left on device. The checkpoints before it are intact"), line
   assert "Exception ignored" not in result.stderr
+
+
+def test_ctrl_c_during_export_exits_130_and_writes_nothing(run_copy):
+  """SIGINT once the checkpoint is read, while the decoders are exported: exit 130, no output
+  and no scratch directory, whatever part of the export it lands in."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  out = run_copy.parent / "exported"
+  process = subprocess.Popen(
+      [sys.executable, "-m", "transformer_jax", "export", "--workdir", str(run_copy), "--to",
+       "jax", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  seen = []
+  for line in process.stderr:
+    seen.append(line)
+    if "Restored step" in line:
+      process.send_signal(signal.SIGINT)
+      break
+  rest = process.stderr.read()
+  assert process.wait(timeout=300) == 130, "".join(seen)[-2000:] + rest[-2000:]
+  assert rest.strip().splitlines()[-1] == "error: interrupted; nothing was written"
+  assert not out.exists() and not list(run_copy.parent.glob(".exported.partial-*"))

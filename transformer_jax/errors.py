@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging as std_logging
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -57,3 +58,21 @@ def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[
     _flush()
     print(f"error: {interrupted}", file=sys.stderr)
     sys.exit(130)
+
+
+_interrupted: list[int] = []
+
+
+def note_interrupts() -> None:
+  """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual and is also remembered, so that
+  `raise_if_interrupted` catches one that library code swallowed (a conversion or a compile
+  that catches every exception) before a command commits its output."""
+  def handler(signum, frame):
+    _interrupted.append(signum)
+    raise KeyboardInterrupt
+  signal.signal(signal.SIGINT, handler)
+
+
+def raise_if_interrupted() -> None:
+  if _interrupted:
+    raise KeyboardInterrupt

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from transformer_jax import errors
 from transformer_jax.errors import UserError
 
 
@@ -47,6 +48,7 @@ def new_directory(output: str | Path):
   partial = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
   try:
     yield partial
+    errors.raise_if_interrupted()  # A Ctrl-C that reached no Python frame still counts.
     if output.exists():  # Made by someone else meanwhile: theirs stays.
       raise NotWritableError(f"{output} appeared while it was being written; nothing of it "
                              "was changed")

@@ -19,6 +19,7 @@ def define_flags() -> None:
 
 def main(argv):
   FLAGS = flags.FLAGS
+  errors.note_interrupts()
   with errors.reported():
     if len(argv) > 1:
       raise AverageError(f"unexpected arguments {argv[1:]}")
