@@ -80,25 +80,32 @@ def test_the_smoke_config_compiles_for_h100(plugins, tmp_path):
   assert report["programs"]["train"]["collectives"]["all-reduce"]["count"] >= 1
 
 
-@pytest.mark.parametrize("topology,embed_grad", [("h100:1", "sorted"), ("v5e:2x2", "onehot")])
+@pytest.mark.parametrize("topology,embed_grad,attention,kernels", [
+    ("h100:1", "sorted", "xla", 0), ("v5e:2x2", "onehot", "splash", 18)])
 def test_the_train_step_has_no_scatter_into_an_embedding_table(plugins, tmp_path, topology,
-                                                                embed_grad):
+                                                                embed_grad, attention, kernels):
   """Read from the optimized HLO the target compiler produced, with the config's default
-  fields: the table's gradient is not a scatter-add (slow under colliding ids on GPUs)."""
-  result, report = _aot(plugins, "--topology", topology, "--programs", "train", "--hlo",
+  fields (rows of 128 tokens, which splash attention's blocks tile): the table's gradient is
+  not a scatter-add (slow under colliding ids on GPUs), and on the TPU the attention is splash's
+  kernel on segment ids (6 attentions, each a forward and two backward kernels)."""
+  rows = "--config.data.max_len=128"
+  result, report = _aot(plugins, "--topology", topology, "--programs", "train", rows, "--hlo",
                         str(tmp_path / "hlo"), json_path=tmp_path / "r.json")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert report["embed_grad"] == embed_grad
+  assert (report["embed_grad"], report["attention_impl"]) == (embed_grad, attention)
   train = report["programs"]["train"]
   assert train["embedding_scatters"] == 0 and train["scatters"] == {}
+  assert train["custom_calls"].get("tpu_custom_call", 0) == kernels
   assert " scatter(" not in (tmp_path / "hlo" / "train.hlo.txt").read_text()
   # The check sees autodiff's gradient: one scatter-add into the shared [512, 32] table per
-  # lookup (source and target).
-  result, report = _aot(plugins, "--topology", topology, "--programs", "train",
-                        "--config.model.embed_grad=scatter", json_path=tmp_path / "r.json")
+  # lookup (source and target); and XLA's attention, no kernel.
+  result, report = _aot(plugins, "--topology", topology, "--programs", "train", rows,
+                        "--config.model.embed_grad=scatter", "--config.model.attention_impl=xla",
+                        json_path=tmp_path / "r.json")
   assert result.returncode == 0, result.stderr[-3000:]
   assert report["programs"]["train"]["scatters"] == {"f32[512,32]": 2}
   assert report["programs"]["train"]["embedding_scatters"] == 2
+  assert "tpu_custom_call" not in report["programs"]["train"]["custom_calls"]
 
 
 def test_fsdp_splits_parameters_and_optimizer_state(plugins, tmp_path):
@@ -167,6 +174,15 @@ def test_scatters_are_counted_from_hlo_text():
   assert aot.embedding_scatters(hlo, [(512, 32)]) == 1
   assert aot.embedding_scatters(hlo, [(512, 16), (512, 32)]) == 2
   assert aot.embedding_scatters(hlo, [(256, 32)]) == 0
+
+
+def test_custom_calls_are_counted_from_hlo_text():
+  hlo = "\n".join([
+      '  %c = bf16[8,128]{1,0} custom-call(bf16[8,128]{1,0} %q), custom_call_target="tpu_custom_call"',
+      '  %d = bf16[8,128]{1,0} custom-call(bf16[8,128]{1,0} %k), custom_call_target="tpu_custom_call"',
+      '  %e = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="Sharding"',
+  ])
+  assert aot.custom_calls(hlo) == {"tpu_custom_call": 2, "Sharding": 1}
 
 
 def test_collectives_are_counted_from_hlo_text():

@@ -179,6 +179,58 @@ def test_auto_attention_picks_xla_off_gpu_and_keeps_an_explicit_choice():
   assert attention_impl("auto", "float32", 64) == "xla"  # cuDNN's fused kernel: 16-bit only.
   assert attention_impl("auto", "bfloat16", 12) == "xla"  # head dim not a multiple of 8
   assert attention_impl("cudnn", "float32", 64) == "cudnn"
+  assert attention_impl("auto", "float32", 64, "tpu") == "splash"
+
+
+def _packed_rows(length, src_runs, tgt_runs, seed=0):
+  """Token, segment and position arrays of packed rows: runs[i] are row i's sentence lengths."""
+  def rows(runs):
+    seg, pos = np.zeros((len(runs), length), np.int32), np.zeros((len(runs), length), np.int32)
+    for r, lengths in enumerate(runs):
+      at = 0
+      for i, n in enumerate(lengths, 1):
+        seg[r, at:at + n], pos[r, at:at + n] = i, np.arange(n)
+        at += n
+    return seg, pos
+  rng = np.random.default_rng(seed)
+  (src_seg, src_pos), (tgt_seg, tgt_pos) = rows(src_runs), rows(tgt_runs)
+  tokens = lambda seg: jnp.asarray(np.where(seg > 0, rng.integers(4, 128, seg.shape), 0),
+                                   jnp.int32)
+  return tokens(src_seg), tokens(tgt_seg), src_seg, tgt_seg, src_pos, tgt_pos
+
+
+def test_splash_attention_on_segment_ids_gives_xla_attentions_numbers():
+  """Splash attention (Pallas's interpreter here; TPUs run it natively) reads the mask from the
+  packed rows' segment ids: the real positions' logits and every gradient equal those of XLA's
+  attention on the dense mask."""
+  src, tgt, *rest = _packed_rows(128, [[40, 50, 20], [60, 40]], [[30, 60], [90, 30]])
+  tgt_real = rest[1] > 0
+  cfg = tiny_model_config()
+  params = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), src, tgt)["params"])
+
+  def run(impl):
+    model = Transformer(dataclasses.replace(cfg, attention_impl=impl, interpret_kernels=True))
+    logits = lambda p: model.apply({"params": p}, src, tgt, *rest)
+    loss = lambda p: jnp.sum(jnp.where(tgt_real[..., None], jnp.tanh(logits(p)), 0.0))
+    return jax.jit(logits)(params), jax.jit(jax.grad(loss))(params)
+
+  (xla, g_xla), (splash, g_splash) = run("xla"), run("splash")
+  np.testing.assert_allclose(np.asarray(splash)[tgt_real], np.asarray(xla)[tgt_real],
+                             rtol=1e-5, atol=1e-5)
+  for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(g_xla)[0],
+                               jax.tree.leaves(g_splash)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_splash_falls_back_to_xla_where_its_blocks_do_not_tile_the_lengths():
+  src, tgt, *rest = _packed_rows(24, [[10, 10]], [[12, 8]])
+  cfg = tiny_model_config()
+  params = Transformer(cfg).init(jax.random.key(0), src, tgt)["params"]
+  splash = Transformer(dataclasses.replace(cfg, attention_impl="splash", interpret_kernels=True))
+  np.testing.assert_array_equal(np.asarray(splash.apply({"params": params}, src, tgt, *rest)),
+                                np.asarray(Transformer(cfg).apply({"params": params}, src, tgt,
+                                                                  *rest)))
 
 
 def _packed_batch():

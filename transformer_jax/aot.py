@@ -227,6 +227,19 @@ def scatters(hlo_text: str) -> dict[str, int]:
   return out
 
 
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def custom_calls(hlo_text: str) -> dict[str, int]:
+  """{target: count} of the custom calls in an optimized HLO module: the kernels XLA did not
+  generate itself (`tpu_custom_call`: a Pallas kernel such as splash attention on TPUs;
+  `__cudnn$fmha...`: cuDNN's fused attention)."""
+  out: dict[str, int] = {}
+  for target in _CUSTOM_CALL.findall(hlo_text):
+    out[target] = out.get(target, 0) + 1
+  return out
+
+
 def embedding_scatters(hlo_text: str, table_shapes) -> int:
   """Scatters in `hlo_text` whose result has the shape of an embedding table as one device
   holds it (`table_shapes`: (rows, columns) pairs): the gradient of a lookup formed by
@@ -360,6 +373,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       hlo = compiled.as_text()
       entry["collectives"] = collectives(hlo)
       entry["scatters"] = scatters(hlo)
+      entry["custom_calls"] = custom_calls(hlo)
       entry["embedding_scatters"] = embedding_scatters(hlo, _table_shapes(state.params))
       if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)

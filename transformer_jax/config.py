@@ -142,7 +142,9 @@ class ModelConfig(_Section):
   share_embeddings: bool = True  # One table for source and target (joint vocabulary).
   tie_output: bool = True  # Output projection is the target embedding, transposed.
   dtype: str = "float32"  # Compute dtype ("float32" or "bfloat16"); parameters stay float32.
-  # "auto": cuDNN's fused attention on NVIDIA GPUs in bfloat16, else XLA's; "xla"; "cudnn".
+  # "auto": cuDNN's fused attention on NVIDIA GPUs in bfloat16, splash attention on TPUs
+  # (segment ids, no dense mask), else XLA's; "xla"; "cudnn"; "splash" (TPUs; elsewhere it
+  # runs interpreted, for tests).
   attention_impl: str | None = "auto"
   scan_layers: bool = False  # nn.scan over layers: compile time independent of depth.
   remat: str = "none"  # Recompute activations in the backward pass: "none", "full", "dots".
@@ -160,8 +162,8 @@ class ModelConfig(_Section):
     check(0 <= self.dropout_rate < 1, f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
     check(self.dtype in ("float32", "bfloat16"),
           f"model.dtype={self.dtype!r} must be float32 or bfloat16")
-    check(self.attention_impl in ("auto", "xla", "cudnn"),
-          f"model.attention_impl={self.attention_impl!r} must be auto, xla or cudnn")
+    check(self.attention_impl in ("auto", "xla", "cudnn", "splash"),
+          f"model.attention_impl={self.attention_impl!r} must be auto, xla, cudnn or splash")
     check(self.remat in ("none", "full", "dots"),
           f"model.remat={self.remat!r} must be none, full or dots")
     check(self.embed_grad in ("auto", "scatter", "onehot", "sorted"),

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from transformer_jax import embedding, sharding
+from transformer_jax import embedding, sharding, splash
 from transformer_jax.config import ModelConfig
 
 REMAT_POLICIES = {"none": None, "full": None,
@@ -41,12 +42,16 @@ REMAT_POLICIES = {"none": None, "full": None,
 def attention_impl(requested: str | None, dtype: str, head_dim: int,
                    platform: str | None = None) -> str | None:
   """`auto` picks cuDNN's fused attention where it applies (an NVIDIA GPU, bfloat16, head dim a
-  multiple of 8 up to 128) and XLA's otherwise. `platform`: the one the program is compiled
-  for ("gpu", "tpu", "cpu"); default: this process's backend."""
+  multiple of 8 up to 128), splash attention on TPUs (segment ids instead of a dense mask,
+  where the lengths are multiples of its 128-token blocks; XLA's otherwise), and XLA's
+  elsewhere. `platform`: the one the program is compiled for ("gpu", "tpu", "cpu"); default:
+  this process's backend."""
   if requested != "auto":
     return requested
   if platform is None:
     platform = jax.default_backend()
+  if platform == "tpu":
+    return "splash"
   cudnn_ok = (platform in ("gpu", "cuda") and dtype == "bfloat16"
               and head_dim % 8 == 0 and head_dim <= 128)
   return "cudnn" if cudnn_ok else "xla"
@@ -60,6 +65,8 @@ class TransformerConfig(ModelConfig):
   src_vocab_size: int
   tgt_vocab_size: int
   attention_weights: bool = False  # Sow attention weights into "intermediates".
+  # Run Pallas kernels (splash attention) in the interpreter: programs for a CPU (tests).
+  interpret_kernels: bool = False
 
   def check(self):
     super().check()
@@ -120,13 +127,25 @@ def _tied_logits_bwd(residuals, g):
 tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
-def attention_mask(q_segments, kv_segments, causal: bool = False) -> jax.Array:
-  """[B, 1, Lq, Lkv] boolean mask: same non-padding segment, and not the future if causal."""
-  mask = (q_segments[:, :, None] == kv_segments[:, None, :]) & (kv_segments[:, None, :] > 0)
-  if causal:
-    lq, lkv = q_segments.shape[1], kv_segments.shape[1]
-    mask &= jnp.tril(jnp.ones((lq, lkv), dtype=bool))
-  return mask[:, None]
+@flax.struct.dataclass
+class SegmentMask:
+  """Which keys each query may attend to, kept as segment ids (0: padding): the same
+  non-padding segment, and not the future where causal. `dense()` builds the [B, 1, T, S]
+  boolean mask for the attentions that take one; splash attention reads the ids."""
+  q: jax.Array  # [B, T]
+  kv: jax.Array  # [B, S]
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def dense(self) -> jax.Array:
+    """[B, 1, T, S] boolean."""
+    mask = (self.q[:, :, None] == self.kv[:, None, :]) & (self.kv[:, None, :] > 0)
+    if self.causal:
+      mask &= jnp.tril(jnp.ones((self.q.shape[1], self.kv.shape[1]), dtype=bool))
+    return mask[:, None]
+
+
+def attention_mask(q_segments, kv_segments, causal: bool = False) -> SegmentMask:
+  return SegmentMask(q_segments, kv_segments, causal)
 
 
 class MultiHeadAttention(nn.Module):
@@ -161,18 +180,21 @@ class MultiHeadAttention(nn.Module):
       out.append(nn.with_logical_constraint(y, ("batch", "length", "heads", "kv")))
     return tuple(out)
 
-  def attend(self, q, k, v, mask):
-    """q: [B, T, N, H], k, v: [B, S, N, H], mask: [B or 1, 1, T, S] -> [B, T, D]."""
+  def attend(self, q, k, v, mask: SegmentMask):
+    """q: [B, T, N, H], k, v: [B, S, N, H] -> [B, T, D]."""
     cfg = self.cfg
+    impl = attention_impl(cfg.attention_impl, cfg.dtype, q.shape[-1])
     if cfg.attention_weights:
       logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
-      logits = jnp.where(mask, logits / np.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
+      logits = jnp.where(mask.dense(), logits / np.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
       weights = jax.nn.softmax(logits, axis=-1)  # [B, N, T, S]
       self.sow("intermediates", "attention_weights", weights)
       out = jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v)
+    elif impl == "splash" and splash.fits(q.shape[1], k.shape[1]):
+      out = splash.attention(q, k, v, mask.q, mask.kv, mask.causal, cfg.interpret_kernels)
     else:
-      impl = attention_impl(cfg.attention_impl, cfg.dtype, q.shape[-1])
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+      impl = "xla" if impl == "splash" else impl  # Lengths splash's blocks do not tile.
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask.dense(), implementation=impl)
     return self.output(out)
 
   def attend_heads(self, q, k, v, mask):
@@ -198,8 +220,8 @@ class MultiHeadAttention(nn.Module):
       y = y + self.out_bias.astype(dt)
     return y
 
-  def __call__(self, x_q, x_kv, mask):
-    """x_q: [B, T, D], x_kv: [B, S, D], mask: [B, 1, T, S] -> [B, T, D]."""
+  def __call__(self, x_q, x_kv, mask: SegmentMask):
+    """x_q: [B, T, D], x_kv: [B, S, D] -> [B, T, D]."""
     (q,), (k, v) = self.project(x_q, "query"), self.project(x_kv, "key", "value")
     return self.attend(q, k, v, mask)
 
@@ -503,7 +525,7 @@ class Transformer(nn.Module):
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)
-    mask = attention_mask(src_segments, src_segments)  # [B, 1, S, S]
+    mask = attention_mask(src_segments, src_segments)  # [B, 1, S, S] where built
     x = self._inputs(self.src_embed, src, src_positions, deterministic)
     x = self.encoder_stack(x, mask, deterministic)
     return self.encoder_norm(x) if self.cfg.pre_ln else x

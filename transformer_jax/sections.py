@@ -60,6 +60,8 @@ def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
   embed_grad)."""
   fields = dataclasses.asdict(model)
   fields["embed_grad"] = embedding.grad_impl(model.embed_grad, platform)
+  # Pallas kernels run natively on TPUs only.
+  fields["interpret_kernels"] = (platform or jax.default_backend()) != "tpu"
   fields["attention_impl"] = attention_impl(model.attention_impl, model.dtype,
                                             model.d_model // model.num_heads, platform)
   return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
