@@ -17,6 +17,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import asyncio  # noqa: E402
+import logging as std_logging  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 
@@ -79,6 +81,15 @@ def _listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), backlog=2048)
   except OSError as e:
     raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+class _QuietCancellation(std_logging.Filter):
+  """Drops uvicorn's traceback of a request it cancels at shutdown (after --shutdown_timeout,
+  or at a second signal): the cancellation is the intended end, and uvicorn says in one line how
+  many it cancelled."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def main(argv):
@@ -144,6 +155,7 @@ def main(argv):
       signal.signal(sig, lambda *_: None)
     logging.info("serving on http://%s:%d; compiling the decoder (GET /ready says when done)",
                  FLAGS.host, FLAGS.port)
+    std_logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
     server.run(sockets=[listening])
     logging.info("shut down")
 
