@@ -170,10 +170,11 @@ def test_scatters_are_counted_from_hlo_text():
       "  %s2 = (f32[512,16]{1,0}, s32[7]{0}) scatter(f32[512,16]{1,0} %a, s32[7]{0} %b)",
       "  %g = f32[64,32]{1,0} gather(f32[512,32]{1,0} %t, s32[64,1]{1,0} %i)",
   ])
-  assert aot.scatters(hlo) == {"f32[512,32]": 1, "f32[512,16], s32[7]": 1}
-  assert aot.embedding_scatters(hlo, [(512, 32)]) == 1
-  assert aot.embedding_scatters(hlo, [(512, 16), (512, 32)]) == 2
-  assert aot.embedding_scatters(hlo, [(256, 32)]) == 0
+  counts = aot.scatters(hlo)
+  assert counts == {"f32[512,32]": 1, "f32[512,16], s32[7]": 1}
+  assert aot.embedding_scatters(counts, [(512, 32)]) == 1
+  assert aot.embedding_scatters(counts, [(512, 16), (512, 32)]) == 2
+  assert aot.embedding_scatters(counts, [(256, 32)]) == 0
 
 
 def test_custom_calls_are_counted_from_hlo_text():

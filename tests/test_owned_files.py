@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from tests.test_user_mistakes import _one_error_line, _run, _train_args, _tree_digest
+from tests.test_user_mistakes import (_one_error_line, _run, _train_args, _tree_digest,
+                                      _with_another_tokenizer)
 
 
 @pytest.fixture
@@ -77,18 +78,11 @@ def test_translate_output_inside_the_workdir_is_refused(run_copy, inside):
 def test_a_tokenizer_of_the_same_size_is_caught_by_its_identity(trained, tmp_path):
   """Fitted on another sample, it has as many pieces: the embedding shapes agree, and only the
   tokenizer's identity saved with each checkpoint tells them apart."""
-  from transformer_jax import config as config_lib
-  from transformer_jax.data import pipeline
   from transformer_jax.data.tokenizer import Tokenizers
   config, source = trained
-  workdir = tmp_path / "w"
-  shutil.copytree(source, workdir)
-  other = config.copy_and_resolve_references()
-  other.data.tokenizer_sample = 1500
-  pipeline.prepare(config_lib.parse(other).data, tmp_path / "other")
-  theirs, ours = Tokenizers.load(tmp_path / "other"), Tokenizers.load(workdir)
+  workdir, other = _with_another_tokenizer(trained, tmp_path, tokenizer_sample=1500)
+  theirs, ours = Tokenizers.load(other), Tokenizers.load(source)
   assert theirs.src.vocab_size == ours.src.vocab_size and theirs.digest() != ours.digest()
-  shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
   before = _tree_digest(workdir)
 
   expected = (f"error: the checkpoint of step 20 in {workdir / 'checkpoints'} is intact but was "
@@ -165,3 +159,14 @@ def test_ctrl_c_during_export_exits_130_and_writes_nothing(run_copy):
   assert process.wait(timeout=300) == 130, "".join(seen)[-2000:] + rest[-2000:]
   assert rest.strip().splitlines()[-1] == "error: interrupted; nothing was written"
   assert not out.exists() and not list(run_copy.parent.glob(".exported.partial-*"))
+
+
+def test_a_directory_of_hidden_files_or_a_stopped_runs_files_is_a_run(tmp_path):
+  from transformer_jax.workdir import Workdir, WorkdirError
+  (tmp_path / ".DS_Store").write_text("finder")
+  (tmp_path / "tokenizer.model").write_text("written before config.json")
+  (tmp_path / "events.out.tfevents.1.host").write_text("")
+  Workdir(tmp_path).check_is_a_run()  # Accepted.
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(WorkdirError, match="holds notes.txt and no config.json"):
+    Workdir(tmp_path).check_is_a_run()

@@ -52,15 +52,22 @@ def _train_args(config, workdir, num_steps=None):
           *([f"--config.run.num_steps={num_steps}"] if num_steps else [])]
 
 
-def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp_path):
+def _with_another_tokenizer(trained, tmp_path, **data_fields):
+  """A copy of the trained run whose tokenizer.model is replaced by the one fitted on the same
+  data with other `data_fields`; (workdir, that tokenizer's directory)."""
   config, source = trained
   workdir = tmp_path / "w"
   shutil.copytree(source, workdir)
-  # The tokenizer a run with another vocabulary size fits on the same data.
   other = config.copy_and_resolve_references()
-  other.data.vocab_size = 1000
+  other.data.update(data_fields)
   pipeline.prepare(config_lib.parse(other).data, tmp_path / "other")
   shutil.copy(tmp_path / "other" / "tokenizer.model", workdir / "tokenizer.model")
+  return workdir, tmp_path / "other"
+
+
+def test_a_tokenizer_of_another_vocabulary_is_a_mismatch_not_damage(trained, tmp_path):
+  config, _ = trained
+  workdir, _ = _with_another_tokenizer(trained, tmp_path, vocab_size=1000)
   before, whole = _tree_digest(workdir / "checkpoints"), _tree_digest(workdir)
 
   expected = (f"error: the checkpoint of step 20 in {workdir / 'checkpoints'} is intact but was "

@@ -240,12 +240,12 @@ def custom_calls(hlo_text: str) -> dict[str, int]:
   return out
 
 
-def embedding_scatters(hlo_text: str, table_shapes) -> int:
-  """Scatters in `hlo_text` whose result has the shape of an embedding table as one device
-  holds it (`table_shapes`: (rows, columns) pairs): the gradient of a lookup formed by
+def embedding_scatters(scatter_counts: dict[str, int], table_shapes) -> int:
+  """Of `scatters`' counts, those whose result has the shape of an embedding table as one
+  device holds it (`table_shapes`: (rows, columns) pairs): the gradient of a lookup formed by
   scatter-add, which on GPUs adds with contended atomics."""
   shapes = {f"{r},{c}" for r, c in table_shapes}
-  return sum(count for key, count in scatters(hlo_text).items()
+  return sum(count for key, count in scatter_counts.items()
              for part in key.split(", ") if part[part.index("[") + 1:-1] in shapes)
 
 
@@ -374,7 +374,8 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       entry["collectives"] = collectives(hlo)
       entry["scatters"] = scatters(hlo)
       entry["custom_calls"] = custom_calls(hlo)
-      entry["embedding_scatters"] = embedding_scatters(hlo, _table_shapes(state.params))
+      entry["embedding_scatters"] = embedding_scatters(entry["scatters"],
+                                                       _table_shapes(state.params))
       if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)

@@ -337,32 +337,34 @@ def _drop_abandoned_read_errors() -> None:
   The read stops at the first array that fails; orbax then closes its event loop while
   tensorstore finishes the other reads, and each of them reports the closed loop or the same
   damage through `sys.unraisablehook`, or leaves a coroutine never awaited, at any later time
-  (often at exit, after a command's one error line). Exactly those are dropped; every other
-  unraisable exception goes to the hook in place before.
+  (often at exit, after a command's one error line). Exactly those are dropped.
   """
-  previous = sys.unraisablehook
-  if getattr(previous, "drops_abandoned_reads", False):
-    return
-
-  def hook(unraisable):
-    if not str(unraisable.exc_value).startswith(_ABANDONED_READ_ERRORS):
-      previous(unraisable)
-
-  hook.drops_abandoned_reads = True
-  sys.unraisablehook = hook
-  warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
-                          "awaited", RuntimeWarning)
+  if _drop_unraisable("abandoned reads",
+                      lambda u: str(u.exc_value).startswith(_ABANDONED_READ_ERRORS)):
+    warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
+                            "awaited", RuntimeWarning)
 
 
 def _drop_echoes(names: tuple[str, ...]) -> None:
   """Quiets the echoes of a write that failed (and is reported once as an error line): the
   other writes in flight fail alike, or are collected at exit unfinished, and each would print
   its traceback through `sys.unraisablehook` or asyncio's logger."""
+  _drop_unraisable("failed writes", lambda u: any(n in repr(u.object) for n in names))
+  std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
+
+
+def _drop_unraisable(kind: str, drop) -> bool:
+  """Puts a `sys.unraisablehook` in place that drops what `drop(unraisable)` picks and passes
+  every other unraisable exception to the hook before it; once per `kind`. Returns whether it
+  was put in place now."""
   previous = sys.unraisablehook
+  if kind in getattr(previous, "drops", ()):
+    return False
 
   def hook(unraisable):
-    if not any(n in repr(unraisable.object) for n in names):
+    if not drop(unraisable):
       previous(unraisable)
 
+  hook.drops = (*getattr(previous, "drops", ()), kind)
   sys.unraisablehook = hook
-  std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
+  return True

@@ -44,9 +44,9 @@ def lookup(table: jax.Array, ids: jax.Array, dtype, impl: str, shards: int = 1) 
   """table: [V, D] (the parameter), ids: [...] int -> [..., D] rows of the table in `dtype`.
 
   `impl`: one of GRAD_IMPLS (how the table's gradient is formed), or `auto` for this
-  process's backend; `shards`: for `sorted`, the
-  data-parallel devices the ids are split over, each of which sorts its own share (the sum
-  over shards is then one all-reduce, as for a scatter's partial tables).
+  process's backend; `shards`: for `sorted`, the data-parallel devices the ids are split over,
+  each of which sorts its own share (the sum over shards is then one all-reduce, as for a
+  scatter's partial tables).
   """
   impl = grad_impl(impl)
   if impl == "scatter":

@@ -144,10 +144,6 @@ class SegmentMask:
     return mask[:, None]
 
 
-def attention_mask(q_segments, kv_segments, causal: bool = False) -> SegmentMask:
-  return SegmentMask(q_segments, kv_segments, causal)
-
-
 class MultiHeadAttention(nn.Module):
   """Multi-head attention with einsum projections (kernels created in their 3-D shapes)."""
   cfg: TransformerConfig
@@ -525,7 +521,7 @@ class Transformer(nn.Module):
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)
-    mask = attention_mask(src_segments, src_segments)  # [B, 1, S, S] where built
+    mask = SegmentMask(src_segments, src_segments)  # [B, 1, S, S] where made dense
     x = self._inputs(self.src_embed, src, src_positions, deterministic)
     x = self.encoder_stack(x, mask, deterministic)
     return self.encoder_norm(x) if self.cfg.pre_ln else x
@@ -540,8 +536,8 @@ class Transformer(nn.Module):
                       tgt_positions=None, deterministic=True):
     """decode() up to the vocabulary projection: [B, T, D] in the compute dtype."""
     tgt_segments, tgt_positions = _default_segments(tgt_in, tgt_segments, tgt_positions)
-    self_mask = attention_mask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
-    cross_mask = attention_mask(tgt_segments, src_segments)  # [B, 1, T, S]
+    self_mask = SegmentMask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
+    cross_mask = SegmentMask(tgt_segments, src_segments)  # [B, 1, T, S]
     y = self._inputs(self.tgt_embed, tgt_in, tgt_positions, deterministic)
     y = self.decoder_stack(y, memory, self_mask, cross_mask, deterministic)
     return self.decoder_norm(y) if self.cfg.pre_ln else y

@@ -129,15 +129,15 @@ class Workdir:
   def check_is_a_run(self) -> None:
     """Raises WorkdirError unless the directory is missing, empty, or a run's: train.py writes
     into nothing else. A run's holds this project's config.json or, where it stopped before
-    writing one, only what a run writes first."""
+    writing one, only what a run writes first (and hidden files)."""
     if not self.path.is_dir() or not any(self.path.iterdir()):
       return
     if self.config_file.exists():
       self.load_config()  # Raises where it is another program's config.json, or damaged.
       return
-    foreign = sorted(p.name for p in self.path.iterdir()
+    foreign = sorted(p.name for p in self.path.iterdir()  # Hidden files (.DS_Store) aside.
                      if p.name not in _WRITTEN_BEFORE_CONFIG
-                     and not p.name.startswith("events.out.tfevents."))
+                     and not p.name.startswith(("events.out.tfevents.", ".")))
     if foreign:
       shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
       raise WorkdirError(f"--workdir {self.path} is not a training workdir (it holds {shown} "
