@@ -30,6 +30,7 @@ def test_d2l_tiny_has_the_chapters_settings():
           c.optimizer.grad_clip) == (9, 128, 1e-3, 1.0)
   assert (c.model.num_encoder_layers, c.model.d_model, c.model.ffn_dim, c.model.num_heads,
           c.model.dropout_rate) == (2, 256, 64, 4, 0.2)
+  assert (c.model.attention_bias, c.model.layer_norm_eps) == (False, 1e-5)  # d2l's PyTorch.
   assert c.run.num_steps * c.data.batch_size == 30 * 512 and c.data.train_split == "train[:512]"
 
 
@@ -37,6 +38,7 @@ def test_d2l_tiny_has_the_chapters_settings():
     ("data.dataset", "nope", "data.dataset='nope' is unknown"),
     ("data.data_dir", "/does/not/exist", "data.data_dir='/does/not/exist' is not a directory"),
     ("optimizer.schedule", "linear", "optimizer.schedule='linear' must be one of"),
+    ("model.layer_norm_eps", 0.0, "model.layer_norm_eps=0.0 must be in (0, 1)"),
     ("run.mesh_shape", (1, 1), "run.mesh_shape=(1, 1) must have 3 entries"),
     ("step.grad_accum_steps", 5, "step.grad_accum_steps=5 must divide data.batch_size=36"),
 ])

@@ -132,3 +132,53 @@ def test_bad_exports_are_one_line_errors_that_write_nothing(trained, tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
   missing = _cli("--workdir", str(tmp_path / "none"), "--to", "jax", str(tmp_path / "e"))
   assert missing.returncode == 1 and "holds no config.json" in missing.stderr
+
+
+def _copy_with_model_field(workdir, to, name, value):
+  """A copy of a workdir whose config.json sets model.NAME to `value` (None: removes it, as in a
+  config.json written before the field existed)."""
+  shutil.copytree(workdir, to)
+  saved = json.loads((to / "config.json").read_text())
+  saved["model"].pop(name)
+  if value is not None:
+    saved["model"][name] = value
+  (to / "config.json").write_text(json.dumps(saved))
+  return to
+
+
+def test_the_ctranslate2_export_uses_the_models_layer_norm_eps(trained, validation, tmp_path):
+  """The same weights run with epsilon 1e-5 and 0.5 (large enough that a wrong epsilon shows
+  over float tolerance): CTranslate2's log-probabilities of our outputs equal ours for each."""
+  ctranslate2 = pytest.importorskip("ctranslate2")
+  _, workdir = trained
+  scores = {}
+  for eps in (1e-5, 0.5):
+    copy = _copy_with_model_field(workdir, tmp_path / f"run_{eps}", "layer_norm_eps", eps)
+    result = _cli("--workdir", str(copy), "--to", "ctranslate2", str(tmp_path / f"ct2_{eps}"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / f"ct2_{eps}" / "config.json").read_text())[
+        "layer_norm_epsilon"] == eps
+    translator = Translator(copy)
+    assert translator.model.cfg.layer_norm_eps == eps
+    src = encode_sources(translator.tokenizers.src, validation[:32], translator.max_src_len)
+    max_len = src.shape[1] + 10
+    ours = translator.decode(src, DecodeOptions(max_len=max_len))[0][:, 0]
+    tgt = np.array([strip(row) + [EOS] + [PAD] * (max_len - len(strip(row))) for row in ours])
+    logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, tgt))
+    pieces = translator.tokenizers.tgt.pieces()
+    engine = ctranslate2.Translator(str(tmp_path / f"ct2_{eps}"), device="cpu")
+    scored = engine.score_batch([[pieces[i] for i in row if i > 0][:-1] for row in src],
+                                [[pieces[i] for i in strip(row)] for row in ours])
+    scores[eps] = [sum(r.log_probs) for r in scored]
+    np.testing.assert_allclose(scores[eps], logp, rtol=1e-4, atol=1e-3)
+  assert np.abs(np.subtract(scores[0.5], scores[1e-5])).max() > 0.1
+
+
+def test_a_config_json_from_before_layer_norm_eps_reads_as_1e_6(trained, validation, tmp_path):
+  _, workdir = trained
+  old = _copy_with_model_field(workdir, tmp_path / "old", "layer_norm_eps", None)
+  assert "layer_norm_eps" not in json.loads((old / "config.json").read_text())["model"]
+  before, now = Translator(old), Translator(workdir)
+  assert before.model.cfg.layer_norm_eps == 1e-6
+  options = DecodeOptions(beam_size=4, alpha=0.6)
+  assert before.translate(validation[:32], options) == now.translate(validation[:32], options)

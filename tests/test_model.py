@@ -278,3 +278,45 @@ def test_cudnn_attention_gives_the_xla_numbers_on_gpu():
   error = lambda g: np.linalg.norm(g - grads_r) / np.linalg.norm(grads_r)
   print(f"gradient error vs float32: XLA bf16 {error(grads_x):.4f}, cuDNN {error(grads_c):.4f}")
   assert error(grads_c) < max(2 * error(grads_x), 1e-2)
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_layer_norm_eps_reaches_every_layer_norm(pre_ln):
+  """Each LayerNorm runs with model.layer_norm_eps: every one of the parameter tree's norms is
+  called with it, and each call's output is (x - mean) / sqrt(var + eps) * scale + bias with
+  that eps, not flax's default."""
+  src = jnp.array([[5, 6, 7, 2, 0], [9, 10, 2, 0, 0]], jnp.int32)
+  tgt = jnp.array([[1, 11, 12, 2], [1, 13, 2, 0]], jnp.int32)
+  logits = {}
+  for eps in (1e-6, 1e-5):
+    cfg = tiny_model_config(pre_ln=pre_ln, layer_norm_eps=eps)
+    params = _params(cfg, src, tgt)
+    calls = []
+
+    def record(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if isinstance(context.module, nn.LayerNorm) and context.method_name == "__call__":
+        calls.append((context.module.epsilon, context.module.scope.path, args[0], out))
+      return out
+
+    with nn.intercept_methods(record):
+      logits[eps] = Transformer(cfg).apply({"params": params}, src, tgt)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    norms = {tuple(k.key for k in path[:-1]) for path, _ in leaves
+             if path[-1].key == "scale" and path[-2].key.endswith("norm")}
+    assert {path for _, path, _, _ in calls} == norms  # Every norm of the tree ran.
+    assert len(norms) == (2 * 2 + 3 * 2 + 2 * pre_ln)  # 2 encoder blocks, 2 decoder blocks.
+    for epsilon, path, x, out in calls:
+      assert epsilon == eps
+      scale, bias = (params_at(params, path)[k] for k in ("scale", "bias"))
+      mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+      expected = (x - mean) / np.sqrt(var + eps) * scale + bias
+      np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  # The same weights (same seed) compute another function, if only slightly.
+  assert 0 < np.abs(logits[1e-5] - logits[1e-6]).max() < 1e-3
+
+
+def params_at(params, path):
+  for key in path:
+    params = params[key]
+  return params

@@ -139,6 +139,9 @@ class ModelConfig(_Section):
   dropout_rate: float = 0.1
   pre_ln: bool = False  # False: the paper's post-LN blocks.
   attention_bias: bool = True
+  # Every LayerNorm's epsilon. 1e-6 is flax's default, which every recipe here was trained with
+  # (and a saved config.json from before this field means); the d2l chapter's PyTorch uses 1e-5.
+  layer_norm_eps: float = 1e-6
   share_embeddings: bool = True  # One table for source and target (joint vocabulary).
   tie_output: bool = True  # Output projection is the target embedding, transposed.
   dtype: str = "float32"  # Compute dtype ("float32" or "bfloat16"); parameters stay float32.
@@ -160,6 +163,8 @@ class ModelConfig(_Section):
     check(self.d_model % 2 == 0, f"model.d_model={self.d_model} must be even (sinusoidal "
           "positions)")
     check(0 <= self.dropout_rate < 1, f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+    check(0 < self.layer_norm_eps < 1,
+          f"model.layer_norm_eps={self.layer_norm_eps} must be in (0, 1)")
     check(self.dtype in ("float32", "bfloat16"),
           f"model.dtype={self.dtype!r} must be float32 or bfloat16")
     check(self.attention_impl in ("auto", "xla", "cudnn", "splash"),
@@ -385,12 +390,18 @@ def names_this_projects_fields(saved: Mapping[str, Any]) -> bool:
   return any(k in SECTIONS or k in homes for k in saved)
 
 
+# Fields added after runs were saved, and the value a saved config without them was trained
+# with (a default may change; what an old run computed may not).
+_VALUE_BEFORE_FIELD = {("model", "layer_norm_eps"): 1e-6}
+
+
 def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,
-          ignore_unknown: bool = False) -> Config:
+          saved: bool = False) -> Config:
   """The sections of a config, each checked.
 
-  `config` may be flat (a config.json written before sections). `ignore_unknown`: fields this
-  version does not know are dropped (a workdir's saved config) instead of refused.
+  `config` may be flat (a config.json written before sections). `saved`: a workdir's
+  config.json: fields this version does not know are dropped instead of refused, and fields it
+  lacks get the value they had before they existed (`_VALUE_BEFORE_FIELD`).
 
   Raises:
     ConfigError: an unknown section or field, or a bad value (named as SECTION.FIELD=VALUE).
@@ -400,15 +411,19 @@ def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,
   raw = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
   if any(k not in SECTIONS for k in raw):
     raw = _unflattened(raw)
+  if saved:
+    for (section, name), value in _VALUE_BEFORE_FIELD.items():
+      if isinstance(raw.get(section, {}), Mapping):
+        raw[section] = {name: value, **raw.get(section, {})}
   made = {}
   for key, fields in raw.items():
     if key not in SECTIONS or not isinstance(fields, Mapping):
-      check(ignore_unknown, f"{key} is not a config section; sections: {', '.join(SECTIONS)}")
+      check(saved, f"{key} is not a config section; sections: {', '.join(SECTIONS)}")
       continue
     section = SECTIONS[key]
     known = {f.name for f in dataclasses.fields(section)}
     unknown = sorted(set(fields) - known)
-    check(ignore_unknown or not unknown,
+    check(saved or not unknown,
           f"{key}.{unknown[0] if unknown else ''} is not a field of the {key} section")
     made[key] = section(**{k: v for k, v in fields.items() if k in known})
   return Config(**made)

@@ -104,7 +104,7 @@ def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None)
   params = jax.tree.map(lambda x: np.array(x, np.float32), translator.params)
   spec = transformer_spec.TransformerSpec.from_config(
       (cfg.num_encoder_layers, cfg.num_decoder_layers), cfg.num_heads, pre_norm=cfg.pre_ln)
-  spec.config.layer_norm_epsilon = 1e-6  # flax's LayerNorm.
+  spec.config.layer_norm_epsilon = cfg.layer_norm_eps
   pieces = translator.tokenizers.src.pieces()
   spec.config.bos_token = spec.config.decoder_start_token = pieces[BOS]
   spec.config.eos_token, spec.config.unk_token = pieces[EOS], pieces[UNK]

@@ -244,7 +244,7 @@ class Sublayer(nn.Module):
   @nn.compact
   def __call__(self, x, f, deterministic: bool):
     cfg = self.cfg
-    norm = nn.LayerNorm(dtype=cfg.compute_dtype, name="norm",
+    norm = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name="norm",
                         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
     drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
@@ -482,7 +482,7 @@ class Transformer(nn.Module):
       nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, ..., as before.
       nn.share_scope(self, self.decoder_stack)
     norm = lambda name: nn.LayerNorm(
-        dtype=cfg.compute_dtype, name=name,
+        epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name=name,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
     if cfg.pre_ln:  # Pre-LN stacks end with a norm; post-LN blocks already end normalized.

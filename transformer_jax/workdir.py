@@ -97,7 +97,7 @@ class Workdir:
                          f"the config's sections or fields): {self.path} is not a training "
                          "workdir")
     try:
-      return config_lib.parse(saved, ignore_unknown=True)
+      return config_lib.parse(saved, saved=True)
     except (config_lib.ConfigError, TypeError) as e:
       raise WorkdirError(f"{self.config_file} is damaged ({errors.first_line(e)}); restore it "
                          "from a copy") from None
