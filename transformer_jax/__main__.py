@@ -7,6 +7,7 @@
   aot         compile the training programs for a TPU topology or GPU target without one
   export      a workdir's model as a CTranslate2 model or serialized jax decoders
   serve       an HTTP translation server that batches concurrent requests
+  download    the corpora and held-out test sets from their public sources
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = ("train", "translate", "average", "visualize", "aot", "export", "serve")
+COMMANDS = ("train", "translate", "average", "visualize", "aot", "export", "serve", "download")
 
 
 def main() -> None:

@@ -1,0 +1,117 @@
+"""The download command, offline: its sources given as a local mirror made of the shared data,
+with the upstream Tatoeba test release rebuilt as the shared disjoint set plus sentences of
+fra.txt (as the real release holds them: spaced, cased and punctuated otherwise)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import DATA, ROOT
+from transformer_jax.data import download as dl
+
+TEST = DATA / "en-fr-test"
+
+
+def _pairs(stem):
+  english, french = ((TEST / f"{stem}.{lang}").read_text().splitlines() for lang in ("eng", "fra"))
+  return list(zip(english, french))
+
+
+@pytest.fixture(scope="module")
+def upstream_tatoeba():
+  """The shared disjoint pairs with 400 of fra.txt's pairs between them, written as a test set
+  may write them: U+202F and U+00A0 in either form, other case, doubled spaces; and pairs
+  sharing only one side with fra.txt."""
+  disjoint = _pairs(dl.DISJOINT)
+  corpus = dl.fra_eng_pairs((DATA / "fra-eng" / "fra-eng.zip").read_bytes())[::400][:400]
+  seen = []
+  for i, (en, fr) in enumerate(corpus):
+    # One side a new sentence, the other fra.txt's, written otherwise.
+    if i % 4 == 0:
+      en, fr = f"New sentence {i}.", fr.replace("\u202f", " ").replace("\xa0", " ").replace(
+          " ", "  ", 1)
+    elif i % 4 == 1:
+      en, fr = en.upper(), f"Phrase nouvelle {i}."
+    elif i % 4 == 2:
+      en, fr = en.replace(" ", "  ", 1), f"Phrase nouvelle {i}."
+    else:
+      en, fr = f"New sentence {i}.", fr
+    seen.append((en, fr))
+  merged = []
+  for i, pair in enumerate(disjoint):
+    merged.append(pair)
+    if i % 15 == 0 and seen:
+      merged.append(seen.pop())
+  return merged + seen, disjoint
+
+
+def test_disjoint_keeps_exactly_the_pairs_that_share_no_sentence(upstream_tatoeba):
+  merged, disjoint = upstream_tatoeba
+  corpus = dl.fra_eng_pairs((DATA / "fra-eng" / "fra-eng.zip").read_bytes())
+  assert len(merged) == len(disjoint) + 400 and len(disjoint) == 5953
+  assert dl.disjoint(merged, corpus) == disjoint
+
+
+def _mirror(path, upstream_tatoeba):
+  """A directory with every source file under its own name."""
+  path.mkdir()
+  (path / "fra-eng.zip").write_bytes((DATA / "fra-eng" / "fra-eng.zip").read_bytes())
+  for gz in (DATA / "multi30k").glob("*.gz"):
+    (path / gz.name).write_bytes(gz.read_bytes())
+  for stem in ("newstest2014", "multi30k_test_2016_flickr"):
+    for lang in ("eng", "fra"):
+      (path / f"{stem}.{lang}").write_bytes((TEST / f"{stem}.{lang}").read_bytes())
+  merged, _ = upstream_tatoeba
+  for lang, side in (("eng", 0), ("fra", 1)):
+    (path / f"{dl.TATOEBA}.{lang}").write_text("".join(p[side] + "\n" for p in merged))
+  return path
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "transformer_jax", "download", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_download_writes_the_shared_layout_byte_for_byte(upstream_tatoeba, tmp_path):
+  mirror = _mirror(tmp_path / "mirror", upstream_tatoeba)
+  out = tmp_path / "data"
+  result = _cli("--out", str(out), "--mirror", str(mirror))
+  assert result.returncode == 0, result.stderr[-2000:]
+  written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+  assert len(written) == 1 + 9 + 6
+  for name in written:
+    assert (out / name).read_bytes() == (DATA / name).read_bytes(), name
+  # Again: every file is already there and equal; nothing is rewritten.
+  again = _cli("--out", str(out), "--mirror", str(mirror), "--sets", "en-fr-test")
+  assert again.returncode == 0 and "Wrote 0 files" in again.stdout
+
+
+def _fails(args, message, out):
+  result = _cli("--out", str(out), *args)
+  assert result.returncode == 1, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and message in last, last
+  assert "Traceback" not in result.stderr
+
+
+def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tatoeba, tmp_path):
+  mirror = _mirror(tmp_path / "mirror", upstream_tatoeba)
+  out = tmp_path / "data"
+  _fails(["--mirror", str(tmp_path / "none")], "holds no fra-eng.zip", out)
+  _fails(["--mirror", str(mirror), "--sets", "fra-eng,wmt"], "choose among fra-eng", out)
+  news = mirror / "newstest2014.fra"
+  news.write_text(news.read_text().replace("le", "la", 1))
+  _fails(["--mirror", str(mirror)], "newstest2014.fra from OPUS-MT-testsets is not the file", out)
+  assert not out.exists()
+  news.write_bytes((TEST / "newstest2014.fra").read_bytes())
+  (mirror / "val.de.gz").write_bytes(b"not gzip")
+  _fails(["--mirror", str(mirror), "--sets", "multi30k"], "val.de.gz is not gzip", out)
+  assert not out.exists()
+
+  (out / "fra-eng").mkdir(parents=True)
+  mine = out / "fra-eng" / "fra-eng.zip"
+  mine.write_text("the user's own file")
+  _fails(["--mirror", str(mirror), "--sets", "fra-eng"], "exists and differs", out)
+  assert mine.read_text() == "the user's own file"
+  assert [p.name for p in out.rglob("*")] == ["fra-eng", "fra-eng.zip"]

@@ -1,0 +1,43 @@
+"""The corpora and the held-out test sets from their public sources, in the layout the configs'
+`data.data_dir` and the README's commands read.
+
+  python -m transformer_jax download --out data
+  python -m transformer_jax download --out data --sets en-fr-test
+
+Sets: fra-eng (d2l's corpus, the main job's), multi30k, en-fr-test (Tatoeba's 2021-08-07 test
+release less every pair sharing a sentence with fra-eng, newstest2014, Multi30k's 2016 test).
+Each file is checked against the one the project's figures were measured on.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from transformer_jax import errors, launch
+from transformer_jax.data.download import SETS, DownloadError, download
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("out", None, "Directory to write the sets into (created if missing; "
+                      "files already there and equal are kept).")
+  flags.DEFINE_list("sets", list(SETS), f"Which sets: {', '.join(SETS)}.")
+  flags.DEFINE_string("mirror", None, "Read the source files from this directory (by their "
+                      "file names) instead of downloading them.")
+
+
+def main(argv):
+  FLAGS = flags.FLAGS
+  errors.note_interrupts()
+  with errors.reported():
+    if len(argv) > 1:
+      raise DownloadError(f"unexpected arguments {argv[1:]}")
+    if not FLAGS.out:
+      raise DownloadError("--out is required: the directory to write the sets into")
+    written = download(FLAGS.out, FLAGS.sets, FLAGS.mirror)
+  print(f"Wrote {len(written)} files under {FLAGS.out}; train with "
+        f"--config.data.data_dir {FLAGS.out}/fra-eng")
+
+
+def run() -> None:
+  define_flags()
+  app.run(main, flags_parser=launch.flags_parser(__name__))
