@@ -18,7 +18,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from benchmarks.common import interleaved, load_config  # noqa: E402
 from transformer_jax import config as config_lib, generation, sections  # noqa: E402
 from transformer_jax.translator import Translator  # noqa: E402
@@ -98,7 +98,7 @@ def main():
         r["speedup_vs_baseline"] = base["median_s"] / r["median_s"]
 
   device = jax.devices()[0]
-  cpu = platform.processor() or platform.machine()
+  cpu = cpu_model()
   header = (f"device: {device.device_kind} x{jax.device_count()} ({cpu}, {os.cpu_count()} cores),"
             f" jax {jax.__version__}; model: d_model "
             f"{model.cfg.d_model}, {model.cfg.num_encoder_layers}+{model.cfg.num_decoder_layers} "

@@ -26,7 +26,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.machine import cpu_model  # noqa: E402
 
 
 def _version(package: str) -> str:
@@ -154,7 +155,7 @@ def main():
           row["bleu"] = sacrebleu.corpus_bleu(outputs[name], [references]).score
         rows.append(row)
 
-  cpu = platform.processor() or platform.machine()
+  cpu = cpu_model()
   header = (f"{cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; jax "
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "

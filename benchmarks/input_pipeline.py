@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import config as config_lib  # noqa: E402
 from transformer_jax.data import pipeline, sources, token_cache  # noqa: E402
@@ -84,7 +84,7 @@ def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> 
           f"{rows[-1]['combined_tokens_per_s']:,.0f} tokens/s", flush=True)
   return {"dataset": cfg.dataset, "split": split, "batch": [cfg.batch_size, cfg.max_len],
           "vocab_size": tokenizers.tgt.vocab_size, "cpu_count": os.cpu_count(),
-          "machine": platform.processor() or platform.machine(),
+          "machine": cpu_model(),
           "date": time.strftime("%Y-%m-%d"), "results": rows}
 
 

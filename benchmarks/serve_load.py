@@ -28,7 +28,6 @@ import collections
 import http.client
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -42,6 +41,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import cpu_model  # noqa: E402
 
 
 def post(connection: http.client.HTTPConnection, body: dict | bytes,
@@ -230,7 +231,7 @@ def main() -> None:
     print(f"batching / one request at a time: {speedup:.2f}x sentences/s")
   import jax  # noqa: PLC0415
   out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+         "cpu": cpu_model(), "cores": os.cpu_count(),
          "jax": jax.__version__, "modes": results}
   print(f"{'mode':<12}{'ready s':>9}{'sent/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'a batch':>9}"
         f"{'503s':>7}{'lost':>6}{'dup':>5}{'diff':>6}{'exit':>6}")

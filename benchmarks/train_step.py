@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import config as config_lib, sections, sharding, train_lib  # noqa: E402
 from transformer_jax.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
@@ -195,7 +195,7 @@ def main():
   cases = batch_cases(config, names, rows)
   results = {name: benchmark(config, batches, args.steps) for name, batches in cases.items()}
 
-  cpu = platform.processor() or platform.machine()
+  cpu = cpu_model()
   print(f"device: {device.device_kind} x{jax.device_count()} ({cpu}, {os.cpu_count()} cores), "
         f"jax {jax.__version__}; config {args.config}: d_model {config.model.d_model}, "
         f"embedding gradient {config.model.embed_grad}, "

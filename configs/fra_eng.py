@@ -3,7 +3,7 @@
 Command (data read from a local copy of fra-eng.zip):
   python train.py --config configs/fra_eng.py --workdir runs/fra_eng \
       --config.data.data_dir ../shared/data/fra-eng
-The recipe was chosen on the validation split (README, "Choosing the recipe"): against the
+The recipe was chosen on the validation split (docs/results.md, "Choosing the recipe"): against the
 first default (rsqrt schedule, rows of 48 x 48, no augmentation) it decays the learning rate to
 0 with a cosine, joins training pairs into longer examples (concatenation augmentation; the
 held-out sentences are longer than most of fra.txt's), packs rows of 64 tokens (36 of them:

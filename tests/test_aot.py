@@ -74,6 +74,7 @@ def test_the_smoke_config_compiles_for_h100(plugins, tmp_path):
   result, report = _aot(plugins, "--topology", "h100:2", "--programs", "train,decode",
                         json_path=tmp_path / "h100.json")
   assert result.returncode == 0, result.stderr[-3000:]
+  assert "cudart_stub" not in result.stderr, result.stderr[:2000]
   assert report["platform"] == "gpu" and report["num_devices"] == 2 and report["fits"]
   assert report["hbm_bytes_per_device"] == 84942979072  # From the H100 target spec.
   assert report["programs"]["train"]["temp_size_in_bytes"] > 0
@@ -153,6 +154,16 @@ def test_bad_targets_are_one_line(plugins, args, message):
   result, _ = _aot(plugins, *args)
   assert result.returncode == 1
   assert _error_line(result).startswith(message)
+
+
+def test_help_names_every_kind_of_target_without_the_plugins_load_noise(plugins):
+  result, _ = _aot(plugins, "--help")
+  assert result.returncode == 0, result.stderr[-3000:]
+  for target in ("v5e:2x4", "v6e:2x2", "v4:2x2x2", "v5p:2x2x2", "h100:1", "h100:8", "a100:8",
+                 "h100:2x8", "cpu:8"):
+    assert target in result.stdout, target
+  # The CUDA plugin's libraries print these from C++ as they load on a host without CUDA.
+  assert "cudart_stub" not in result.stderr and "absl::InitializeLog" not in result.stderr
 
 
 def test_missing_plugins_name_the_install_command(tmp_path):

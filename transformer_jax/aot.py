@@ -25,6 +25,7 @@ kept apart from the environment, they do not slow or clutter every other jax pro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -32,6 +33,7 @@ import os
 import pickle
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,6 +73,32 @@ def prepare_environment() -> None:
                      # Compile-only: no chip is opened, so compiles may run side by side.
                      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
     os.environ.setdefault(key, value)
+
+
+# What the CUDA plugin's libraries print from C++ as they load on a host without CUDA (three
+# times, before any output of the command): they say nothing about the compile.
+_PLUGIN_LOAD_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called")
+
+
+@contextlib.contextmanager
+def plugin_load_noise_dropped():
+  """Runs the block with the process's stderr (file descriptor 2, which native code writes to)
+  captured, then writes what was captured back, less `_PLUGIN_LOAD_NOISE`'s lines."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      for line in captured.read().decode("utf-8", "replace").splitlines(keepends=True):
+        if not any(noise in line for noise in _PLUGIN_LOAD_NOISE):
+          sys.stderr.write(line)
+      sys.stderr.flush()
 
 
 def plugins_dir(flag: str | None = None) -> Path:

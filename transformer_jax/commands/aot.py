@@ -60,8 +60,9 @@ def define_flags():
   from absl import flags
   from ml_collections import config_flags
   config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
-  flags.DEFINE_string("topology", None, "Target: a TPU topology (v5e:2x4, v4:2x2x2, v5p:2x2x2) "
-                      "or GPUs (h100:8, a100:8, h100:2x8 for 2 hosts of 8).")
+  flags.DEFINE_string("topology", None, "Target: a TPU topology (v5e:2x4, v6e:2x2, v4:2x2x2, "
+                      "v5p:2x2x2), GPUs (h100:1, h100:8, a100:8, h100:2x8 for 2 hosts of 8) or "
+                      "this host's CPU as N devices (cpu:8).")
   flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice), each of --topology.")
   flags.DEFINE_string("programs", ",".join(aot.PROGRAMS), "Which programs to compile.")
   flags.DEFINE_string("json", None, "Write the report here as JSON.")
@@ -80,6 +81,9 @@ def run() -> None:
   aot.prepare_environment()
   aot.use_plugins(aot.plugins_dir(next((a.split("=", 1)[1] for a in sys.argv
                                         if a.startswith("--plugins=")), None)))
+  with aot.plugin_load_noise_dropped():  # jax finds (and loads) the plugins as it starts.
+    import jax
+    jax.devices()
   from absl import app
   from transformer_jax import launch
   define_flags()
