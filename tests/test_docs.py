@@ -49,7 +49,7 @@ def test_the_readme_is_for_users():
   lines = (ROOT / "README.md").read_text().splitlines()
   assert len(lines) <= 200
   assert lines[0] == "# transformer_jax"
-  for heading in ("## Results", "## The two commands", "## Commands", "## Layout"):
+  for heading in ("## The two commands", "## Headline results", "## Commands", "## Layout"):
     assert heading in lines
 
 
@@ -59,6 +59,27 @@ def test_docs_name_no_machine_paths_sittings_or_issues(path):
   bad = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
          if NOT_ABOUT_THE_PROJECT.search(line)]
   assert not bad, "\n".join(bad)
+
+
+# A lab notebook's wording: when or how something happened to be run, not what it measured.
+JOURNAL = re.compile(r"\blent (for|once)\b|available then|\bslow(er)? day\b|\b(to|yester)day\b|"
+                     r"this morning|\bscratch\b(?! size)", re.I)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_read_as_records_not_a_journal(path):
+  bad = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+         if JOURNAL.search(line)]
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.quick
+def test_the_journal_pattern_catches_what_it_should():
+  for text in ("an H100 lent for one day", "the compute available then", "on a slow day",
+               "five runs today", "a scratch timing", "In scratch checks"):
+    assert JOURNAL.search(text), text
+  assert not JOURNAL.search("XLA asks the CUDA runtime for its scratch size on 2026-11-22")
 
 
 @pytest.mark.quick

@@ -111,3 +111,12 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
         declared.add(node.name)
   assert declared == set(names.values()) | {"UserError", "CheckpointNotFoundError",
                                             "CheckpointMismatchError", "CheckpointWriteError"}
+
+
+@pytest.mark.quick
+def test_the_code_has_a_licence_that_the_package_declares():
+  import tomllib
+  root = Path(__file__).resolve().parents[1]
+  assert (root / "LICENSE").read_text().startswith("MIT License\n")
+  project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+  assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
