@@ -101,7 +101,8 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
            "transformer_jax.checkpoint": "CheckpointDamagedError",
            "transformer_jax.data.tokenizer": "TokenizerError",
            "transformer_jax.data.packing": "NoPairsError",
-           "transformer_jax.data.builders": "DatasetError"}
+           "transformer_jax.data.builders": "DatasetError",
+           "transformer_jax.data.download": "DownloadError"}
   for module, name in names.items():
     assert issubclass(getattr(importlib.import_module(module), name), UserError), name
   declared = set()  # Every exception class the package declares is one of them.
