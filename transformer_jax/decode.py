@@ -8,6 +8,10 @@ rows. State that is the same at every step for all of a sentence's beams (its en
 in the callable's closure, not in the cache: it is then neither carried nor reordered.
 
 Shapes: B batch, K beams, L max decode length, V vocabulary.
+
+The steps of a search (`sample_step`, `beam_step`, `final_beams`) work with one step counter
+for all rows or one for each: the batch decoders here run a batch to its end; slots.py runs
+slots that sources enter and leave at their own steps.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ NEG_INF = -1e9
 class Greedy:
   """Always the most likely token (the first of equals, as argmax)."""
 
-  def __call__(self, logits: jax.Array, rng: jax.Array) -> jax.Array:
+  def __call__(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
     return top_k(logits, 1)[1][..., 0]  # On a CPU, much faster than jnp.argmax's reduction.
 
 
@@ -47,7 +51,8 @@ class Sampling:
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-  def __call__(self, logits: jax.Array, rng: jax.Array) -> jax.Array:
+  def __call__(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits [B, V], keys [B] (one random key a row) -> tokens [B]."""
     logits = logits.astype(jnp.float32) / self.temperature  # [B, V]
     if self.top_k:
       kth = lax.top_k(logits, self.top_k)[0][:, -1:]  # [B, 1]
@@ -59,7 +64,14 @@ class Sampling:
       keep = jnp.cumsum(probs, axis=-1) - probs < self.top_p
       threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
       logits = jnp.where(logits < threshold, NEG_INF, logits)
-    return jax.random.categorical(rng, logits, axis=-1)
+    return jax.vmap(jax.random.categorical)(keys, logits)
+
+
+def row_keys(rng: jax.Array, items: jax.Array, steps: jax.Array) -> jax.Array:
+  """The random key of each row's step: rng folded with the row's item (its sentence's number
+  in the input) and step, so a sentence draws the same tokens in any batch or slot."""
+  fold = lambda item, step: jax.random.fold_in(jax.random.fold_in(rng, item), step)
+  return jax.vmap(fold)(items, jnp.broadcast_to(steps, items.shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +94,11 @@ def sample_scored(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_
                   limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """`sample`, with each row's log-probability under the model: (tokens [B, max_len],
   log-probabilities [B], the sum over the tokens up to and with <eos>). `limits` [B] (at most
-  max_len): each row's own length limit; a row stops there as it would at max_len."""
+  max_len): each row's own length limit; a row stops there as it would at max_len. Row i
+  samples with the keys `row_keys(rng, i, step)`."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
   limits = jnp.full((batch_size,), max_len) if limits is None else limits
+  items = jnp.arange(batch_size)
 
   def cond(state):
     t, _, _, done, _, _ = state
@@ -93,22 +107,32 @@ def sample_scored(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_
   def body(state):
     t, cache, last, done, out, logprob = state
     done = done | (t >= limits)
-    logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
-    token = sampler(logits, jax.random.fold_in(rng, t)).astype(jnp.int32)
-    # The chosen token's log-probability, without writing the [B, V] log-softmax.
-    logits = logits.astype(jnp.float32)
-    logp = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
-            - jax.nn.logsumexp(logits, axis=-1))  # [B]
-    logprob = logprob + jnp.where(done, 0.0, logp)
-    token = jnp.where(done, specials.pad, token)
+    cache, token, done, logprob = sample_step(tokens_to_logits, cache, last, done, logprob,
+                                              specials, sampler, row_keys(rng, items, t))
     out = lax.dynamic_update_slice(out, token[:, None], (0, t))  # [B, L]
-    return t + 1, cache, token, done | (token == specials.eos), out, logprob
+    return t + 1, cache, token, done, out, logprob
 
   state = (jnp.array(0), cache, jnp.full((batch_size,), specials.bos, jnp.int32),
            jnp.zeros((batch_size,), bool), jnp.full((batch_size, max_len), specials.pad, jnp.int32),
            jnp.zeros((batch_size,), jnp.float32))
   _, _, _, _, tokens, logprob = lax.while_loop(cond, body, state)
   return tokens, logprob
+
+
+def sample_step(tokens_to_logits: TokensToLogits, cache, last, done, logprob,
+                specials: Specials, sampler, keys):
+  """One step of greedy decoding or sampling for rows whose last tokens are `last` [B]: (cache,
+  tokens [B], done [B], log-probabilities [B]). A row already `done` emits <pad> and keeps its
+  log-probability; a row that emits <eos> is done."""
+  logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
+  token = sampler(logits, keys).astype(jnp.int32)
+  # The chosen token's log-probability, without writing the [B, V] log-softmax.
+  logits = logits.astype(jnp.float32)
+  logp = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+          - jax.nn.logsumexp(logits, axis=-1))  # [B]
+  logprob = logprob + jnp.where(done, 0.0, logp)
+  token = jnp.where(done, specials.pad, token)
+  return cache, token, done | (token == specials.eos), logprob
 
 
 def top_k(x: jax.Array, k: int, block: int = 32) -> tuple[jax.Array, jax.Array]:
@@ -161,74 +185,111 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
     tokens [B, K, max_len] best first (<eos> then <pad> after the end), scores [B, K].
   """
   b, k = batch_size, beam_size
-  cache = tile_beams(cache, k)
   max_penalty = length_penalty(max_len if limits is None else limits, alpha)  # [] or [B]
 
   def cond(state):
-    i, _, live_logp, _, fin_scores, fin_flags, _ = state
-    # The best a live beam can still reach: its log-prob now, at the largest length penalty
-    # (log-probs only fall, and the penalty grows with length for alpha >= 0).
-    best_live = live_logp[:, 0] / max_penalty
-    worst_fin = jnp.where(fin_flags.all(-1), fin_scores.min(-1), NEG_INF)
-    done = worst_fin >= best_live
+    i = state[0]
+    done = beam_done(state, max_penalty)
     if limits is not None:
       done = done | (i >= limits)
     return (i < max_len) & ~jnp.all(done)
 
   def body(state):
-    new = _beam_step(state)
+    new = beam_step(tokens_to_logits, state, specials, alpha, k)
     if limits is None:
       return new
     # A sentence at its limit keeps its state (the cache's rows need not: nothing reads them).
-    stopped = state[0] >= limits  # [B]
-    keep = lambda old, x: jnp.where(stopped.reshape(-1, *[1] * (x.ndim - 1)), old, x)
-    return (new[0], *map(keep, state[1:6], new[1:6]), new[6])
+    return keep_beams(state[0] >= limits, state, new)
 
-  def _beam_step(state):
-    i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
-    last = live_seqs[:, :, i].reshape(b * k, 1)  # [B*K, 1]
-    logits, cache = tokens_to_logits(last, cache)  # [B*K, V]
-    logits = logits.astype(jnp.float32).reshape(b, k, -1)  # [B, K, V]
-    vocab = logits.shape[-1]
-    # The 2K best continuations of the sentence are among the 2K best of each beam: pick
-    # those from the logits (a row's log-softmax keeps its order), then take their
-    # log-probabilities (log_softmax's own arithmetic: x - max - log(sum(exp(x - max))))
-    # without writing the [B, K, V] log-probabilities.
-    per_row = min(2 * k, vocab)
-    row_top, row_idx = top_k(logits, per_row)  # [B, K, 2K]
-    top = row_top[:, :, :1]  # [B, K, 1]: each row's largest logit
-    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
-    cand = (live_logp[:, :, None] + ((row_top - top) - log_sum)).reshape(b, k * per_row)
-    top_logp, pick = lax.top_k(cand, 2 * k)  # [B, 2K]: enough to keep K that go on.
-    beam = pick // per_row
-    token = jnp.take_along_axis(row_idx.reshape(b, -1), pick, axis=1).astype(jnp.int32)
-    seqs = jnp.take_along_axis(live_seqs, beam[:, :, None], axis=1)  # [B, 2K, L+1]
-    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))
-    is_eos = token == specials.eos
+  state = (jnp.array(0), *initial_beams(b, k, max_len, specials), tile_beams(cache, k))
+  _, *beams, _ = lax.while_loop(cond, body, state)
+  return final_beams(*beams, max_penalty, specials)
 
-    # Live: the K best candidates that did not just end.
-    alive_logp = jnp.where(is_eos, NEG_INF, top_logp)
-    alive_logp, keep = lax.top_k(alive_logp, k)  # [B, K]
-    live_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-    cache = _gather_beams(cache, jnp.take_along_axis(beam, keep, axis=1), b, k)
 
-    # Finished: the K best of the old finished and the candidates that just ended.
-    new_scores = jnp.where(is_eos, top_logp / length_penalty(i + 1, alpha), NEG_INF)
-    all_scores = jnp.concatenate([fin_scores, new_scores], axis=1)  # [B, 3K]
-    all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
-    all_flags = jnp.concatenate([fin_flags, is_eos], axis=1)
-    fin_scores, pick = lax.top_k(all_scores, k)
-    fin_seqs = jnp.take_along_axis(all_seqs, pick[:, :, None], axis=1)
-    fin_flags = jnp.take_along_axis(all_flags, pick, axis=1)
-    return i + 1, live_seqs, alive_logp, fin_seqs, fin_scores, fin_flags, cache
-
+def initial_beams(b: int, k: int, max_len: int, specials: Specials):
+  """(live_seqs, live_logp, fin_seqs, fin_scores, fin_flags) of B searches before their first
+  step: every beam <bos>, the first one live."""
   seqs = jnp.zeros((b, k, max_len + 1), jnp.int32).at[:, :, 0].set(specials.bos)
   live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
-  state = (jnp.array(0), seqs, live_logp, seqs, jnp.full((b, k), NEG_INF), jnp.zeros((b, k), bool),
-           cache)
-  _, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, _ = lax.while_loop(cond, body, state)
-  # Slots of a sentence that finished fewer than K beams by max_len (finished ones come first,
-  # best first) take its live beams, best first, scored at the largest length penalty.
+  return seqs, live_logp, seqs, jnp.full((b, k), NEG_INF), jnp.zeros((b, k), bool)
+
+
+def beam_done(state, max_penalty) -> jax.Array:
+  """[B]: the searches whose finished beams no live beam can beat any more: its log-prob now,
+  at the largest length penalty (log-probs only fall, and the penalty grows with length for
+  alpha >= 0)."""
+  _, _, live_logp, _, fin_scores, fin_flags, _ = state
+  best_live = live_logp[:, 0] / max_penalty
+  worst_fin = jnp.where(fin_flags.all(-1), fin_scores.min(-1), NEG_INF)
+  return worst_fin >= best_live
+
+
+def keep_beams(stopped: jax.Array, old, new):
+  """The search state `new`, where the searches `stopped` [B] keep `old`'s (the step counter
+  and the cache excepted: the cache's rows of a stopped search are read no more)."""
+  keep = lambda o, x: jnp.where(stopped.reshape(-1, *[1] * (x.ndim - 1)), o, x)
+  i = new[0] if jnp.ndim(new[0]) == 0 else keep(old[0], new[0])
+  return (i, *map(keep, old[1:6], new[1:6]), new[6])
+
+
+def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha, k: int):
+  """One step of B searches of K beams: state (i, live_seqs [B, K, L+1], live_logp [B, K],
+  fin_seqs, fin_scores, fin_flags, cache [B*K rows]) -> the next. `i`: the step, one for all
+  searches ([]) or each its own ([B])."""
+  i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
+  b = live_seqs.shape[0]
+  if jnp.ndim(i) == 0:
+    last = live_seqs[:, :, i]
+  else:
+    last = jnp.take_along_axis(live_seqs, i[:, None, None], axis=2)[:, :, 0]
+  logits, cache = tokens_to_logits(last.reshape(b * k, 1), cache)  # [B*K, V]
+  logits = logits.astype(jnp.float32).reshape(b, k, -1)  # [B, K, V]
+  vocab = logits.shape[-1]
+  # The 2K best continuations of the sentence are among the 2K best of each beam: pick
+  # those from the logits (a row's log-softmax keeps its order), then take their
+  # log-probabilities (log_softmax's own arithmetic: x - max - log(sum(exp(x - max))))
+  # without writing the [B, K, V] log-probabilities.
+  per_row = min(2 * k, vocab)
+  row_top, row_idx = top_k(logits, per_row)  # [B, K, 2K]
+  top = row_top[:, :, :1]  # [B, K, 1]: each row's largest logit
+  log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+  cand = (live_logp[:, :, None] + ((row_top - top) - log_sum)).reshape(b, k * per_row)
+  top_logp, pick = lax.top_k(cand, 2 * k)  # [B, 2K]: enough to keep K that go on.
+  beam = pick // per_row
+  token = jnp.take_along_axis(row_idx.reshape(b, -1), pick, axis=1).astype(jnp.int32)
+  seqs = jnp.take_along_axis(live_seqs, beam[:, :, None], axis=1)  # [B, 2K, L+1]
+  if jnp.ndim(i) == 0:
+    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))
+    penalty = length_penalty(i + 1, alpha)
+  else:
+    at = jnp.arange(seqs.shape[2])[None, None, :] == (i + 1)[:, None, None]
+    seqs = jnp.where(at, token[:, :, None], seqs)
+    penalty = length_penalty(i + 1, alpha)[:, None]
+  is_eos = token == specials.eos
+
+  # Live: the K best candidates that did not just end.
+  alive_logp = jnp.where(is_eos, NEG_INF, top_logp)
+  alive_logp, keep = lax.top_k(alive_logp, k)  # [B, K]
+  live_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
+  cache = _gather_beams(cache, jnp.take_along_axis(beam, keep, axis=1), b, k)
+
+  # Finished: the K best of the old finished and the candidates that just ended.
+  new_scores = jnp.where(is_eos, top_logp / penalty, NEG_INF)
+  all_scores = jnp.concatenate([fin_scores, new_scores], axis=1)  # [B, 3K]
+  all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
+  all_flags = jnp.concatenate([fin_flags, is_eos], axis=1)
+  fin_scores, pick = lax.top_k(all_scores, k)
+  fin_seqs = jnp.take_along_axis(all_seqs, pick[:, :, None], axis=1)
+  fin_flags = jnp.take_along_axis(all_flags, pick, axis=1)
+  return i + 1, live_seqs, alive_logp, fin_seqs, fin_scores, fin_flags, cache
+
+
+def final_beams(live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, max_penalty,
+                specials: Specials) -> tuple[jax.Array, jax.Array]:
+  """(tokens [B, K, L], scores [B, K]) of B searches, best first. The slots of a sentence that
+  finished fewer than K beams (finished ones come first, best first) take its live beams, best
+  first, scored at the largest length penalty `max_penalty` ([] or [B])."""
+  k = live_seqs.shape[1]
   slot = jnp.arange(k)[None, :] - fin_flags.sum(-1, keepdims=True)  # [B, K]: live beam to take
   live_pick = jnp.clip(slot, 0, k - 1)
   live_seqs = jnp.take_along_axis(live_seqs, live_pick[:, :, None], axis=1)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from transformer_jax import decode
+from transformer_jax import decode, slots
 from transformer_jax.errors import UserError
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.model import Transformer
@@ -67,6 +67,40 @@ def decoder(model, params, src, max_len: int):
     logp = sum(jax.nn.log_softmax(x) for x in logits) / len(logits)  # [B*K, V]
     return logp, tuple(caches)
   return ensemble_step, caches
+
+
+def slot_model(model) -> slots.SlotModel:
+  """The slots' view (slots.SlotModel) of one model or an ensemble (a sequence of models
+  sharing a vocabulary: log-probabilities averaged, as `decoder`); `params` then a sequence."""
+  models = (model,) if isinstance(model, Transformer) else tuple(model)
+  ensemble = not isinstance(model, Transformer)
+  members = lambda params: params if ensemble else (params,)
+
+  def step(params, tokens, caches, sources, index):
+    logits, new = [], []
+    for m, p, cache, source in zip(models, members(params), caches, sources):
+      x, cache = m.apply({"params": p}, tokens, {"index": index, **cache}, source,
+                         method=Transformer.decode_step)
+      logits.append(x)
+      new.append({"k": cache["k"], "v": cache["v"]})
+    if len(models) == 1:
+      return logits[0], tuple(new)
+    return sum(jax.nn.log_softmax(x) for x in logits) / len(logits), tuple(new)
+
+  def init_cache(params, rows, max_len):
+    caches = (m.apply({"params": p}, rows, max_len, method=Transformer.init_cache)
+              for m, p in zip(models, members(params)))
+    return tuple({"k": c["k"], "v": c["v"]} for c in caches)
+
+  def encode(params, src, width):
+    def padded(state):  # Source positions are the next-to-last axis of k, v; the last of valid.
+      pad = lambda x, axis: jnp.pad(x, [(0, 0)] * (x.ndim + axis) + [(0, width - src.shape[1])]
+                                    + [(0, 0)] * (-axis - 1))
+      return {"k": jax.tree.map(lambda x: pad(x, -2), state["k"]),
+              "v": jax.tree.map(lambda x: pad(x, -2), state["v"]), "valid": pad(state["valid"], -1)}
+    return tuple(padded(encode_source(m, p, src)) for m, p in zip(models, members(params)))
+
+  return slots.SlotModel(step=step, init_cache=init_cache, encode=encode)
 
 
 def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,

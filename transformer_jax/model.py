@@ -310,11 +310,16 @@ class DecoderBlock(nn.Module):
 
     def self_attend(z):  # z: [B*K, 1, D]
       q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B*K, 1, N, H] each
+      positions = jnp.arange(cache["k"].shape[2])
       for name, kv in (("k", k), ("v", v)):  # Write this position into the preallocated cache.
         kv = jnp.swapaxes(kv, 1, 2).astype(cache[name].dtype)  # [B*K, N, 1, H]
-        new[name] = lax.dynamic_update_slice(cache[name], kv, (0, 0, index, 0))
-      filled = (jnp.arange(cache["k"].shape[2]) <= index)[None, None, None, :]  # [1, 1, 1, L]
-      return self.self_attention.attend_heads(q, new["k"], new["v"], filled)
+        if index.ndim == 0:  # One position for every row.
+          new[name] = lax.dynamic_update_slice(cache[name], kv, (0, 0, index, 0))
+        else:  # Each row its own (decoding slots): [B*K] positions.
+          rows = jnp.arange(kv.shape[0])
+          new[name] = cache[name].at[rows, :, index].set(kv[:, :, 0], mode="promise_in_bounds")
+      filled = positions[None, :] <= jnp.reshape(index, (-1, 1))  # [1 or B*K, L]
+      return self.self_attention.attend_heads(q, new["k"], new["v"], filled[:, None, None, :])
 
     def cross_attend(z):  # z: [B*K, 1, D]
       (q,) = self.cross_attention.project(z, "query")  # [B*K, 1, N, H]
@@ -573,9 +578,11 @@ class Transformer(nn.Module):
 
   def decode_step(self, tokens, cache, source):
     """tokens: [B*K, 1], the previous outputs (or <bos>) of K rows per source (beams; K = 1 for
-    greedy) -> (logits [B*K, V] float32, cache). `source`: `source_state`'s, of the B sources."""
+    greedy) -> (logits [B*K, V] float32, cache). `source`: `source_state`'s, of the B sources.
+    cache["index"]: the position decoded, one for all rows ([]) or one a row ([B*K]: decoding
+    slots, each row at its own step)."""
     index = cache["index"]
-    positions = jnp.broadcast_to(index, tokens.shape)
+    positions = jnp.broadcast_to(jnp.reshape(index, (-1, 1)), tokens.shape)
     y = self._inputs(self.tgt_embed, tokens, positions, True)
     cross_mask = source["valid"][:, None, None, :]  # [B, 1, 1, S]
     layers = {"k": cache["k"], "v": cache["v"]}

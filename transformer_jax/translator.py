@@ -20,9 +20,9 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from transformer_jax import errors, sentences, sharding
-from transformer_jax.generation import (DecodeOptions, InferenceError, encode_sources, scored,
-                                        strip)
+from transformer_jax import errors, sentences, sharding, slots
+from transformer_jax.generation import (SPECIALS, DecodeOptions, InferenceError, encode_sources,
+                                        scored, slot_model, strip)
 from transformer_jax.workdir import Workdir
 
 
@@ -56,6 +56,7 @@ class Translator:
     self.step = steps[0] if len(steps) == 1 else tuple(steps)
     self.max_src_len = min(max_lens)  # Sources longer than a member's max_len are truncated.
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
+    self._slot_decoders: dict[tuple, slots.SlotDecoder] = {}
 
   @property
   def model(self):
@@ -95,6 +96,29 @@ class Translator:
                           np.float32(options.alpha), limits)
     return tuple(map(np.asarray, out))
 
+  def slot_decoder(self, options: DecodeOptions, num_slots: int) -> slots.SlotDecoder:
+    """The slot decoder of `num_slots` searches with `options`, for sources of up to the
+    model's max_len: one per setting, so its programs compile once (the same for any input)."""
+    width = -(-self.max_src_len // 8) * 8
+    max_len = options.max_len or width + options.max_len_margin
+    key = (num_slots, width, max_len, options.beam_size, options.alpha)
+    if key not in self._slot_decoders:
+      models = self.model if len(self.models) == 1 else self.models
+      params = self.params if len(self.models) == 1 else self.all_params
+      self._slot_decoders[key] = slots.SlotDecoder(
+          slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size,
+          options.alpha)
+    return self._slot_decoders[key]
+
+  def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
+                   progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Token ids with <eos> (unpadded, at most max_len) -> [(tokens [K, L], scores [K])], as
+    `decode` gives each in a batch of its own width (output limit: its width rounded up to 8 +
+    options.max_len_margin, or options.max_len), through `num_slots` decoding slots."""
+    limits = [options.max_len or -(-len(ids) // 8) * 8 + options.max_len_margin
+              for ids in sources]
+    return self.slot_decoder(options, num_slots).decode_all(sources, limits, progress=progress)
+
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
                 numbers: list[int] | None = None) -> list[str]:
     """`numbers`: the sentences' line numbers, for warnings (default: 1, 2, ...)."""
@@ -130,8 +154,10 @@ def _restore(workdir, step: int | None, ema: bool):
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,
                     batch_size: int, progress: bool = True, segment_over: int | None = None,
-                    long_beam: tuple[int, int] | None = None, batch_tokens: int = 0) -> list[str]:
-  """Translates many sentences, batched by similar length, in the input order; an empty (or
+                    long_beam: tuple[int, int] | None = None, batch_tokens: int = 0,
+                    num_slots: int = 0) -> list[str]:
+  """Translates many sentences, batched by similar length (or, with `num_slots`, streamed
+  through that many decoding slots, longest first), in the input order; an empty (or
   blank) line translates to an empty line. A line of more than `segment_over` tokens (with
   <eos>) is translated sentence by sentence (sentences.py); None: no line is split.
   `long_beam` = (over, beam size): a line (or sentence of a split line) of more than `over`
@@ -151,7 +177,7 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
               ([i for i, x in enumerate(is_long) if x],
                dataclasses.replace(options, beam_size=beam_size))]
   translations = _translate_each(translator, pieces, groups, batch_size, progress, numbers,
-                                 batch_tokens=batch_tokens)
+                                 batch_tokens=batch_tokens, num_slots=num_slots)
   return translations if owners is None else sentences.join(translations, owners, len(lines))
 
 
@@ -161,13 +187,14 @@ def _token_lengths(translator: Translator, lines: list[str]) -> list[int]:
 
 
 def n_best_lines(translator: Translator, lines: list[str], n: int, options: DecodeOptions,
-                 batch_size: int, progress: bool = True,
-                 batch_tokens: int = 0) -> list[list[tuple[float, str]]]:
+                 batch_size: int, progress: bool = True, batch_tokens: int = 0,
+                 num_slots: int = 0) -> list[list[tuple[float, str]]]:
   """The `n` best beams (score, translation) of every line, best first, in the input order;
   each line is translated whole (no sentence splitting); a blank line gets an empty list."""
   translate = lambda texts, options, numbers: translator.n_best(texts, n, options, numbers)
   return _translate_each(translator, lines, [(range(len(lines)), options)], batch_size, progress,
-                         translate=translate, empty=[], batch_tokens=batch_tokens)
+                         translate=translate, empty=[], batch_tokens=batch_tokens,
+                         num_slots=num_slots, n_best=n)
 
 
 # Beam search's batches hold this many times greedy's decoder rows: a search runs most of its
@@ -190,7 +217,7 @@ def batch_rows(width: int, beam_size: int, batch_size: int, batch_tokens: int) -
 def _translate_each(translator: Translator, lines: list[str],
                     groups: list[tuple[Sequence[int], DecodeOptions]], batch_size: int,
                     progress: bool, numbers: list[int] | None = None, translate=None,
-                    empty="", batch_tokens: int = 0) -> list:
+                    empty="", batch_tokens: int = 0, num_slots: int = 0, n_best: int = 0) -> list:
   """Translates the lines of each group (their indices) with the group's options, in batches
   of lines of similar token length: one batch shape per source width (a multiple of 8), so
   one compilation each, of `batch_rows` lines.
@@ -198,6 +225,9 @@ def _translate_each(translator: Translator, lines: list[str],
   options, numbers)`: what a batch gives (default: Translator.translate); `empty`: the result
   of a blank line."""
   numbers = numbers or list(range(1, len(lines) + 1))
+  if num_slots:
+    return _translate_in_slots(translator, lines, groups, num_slots, progress, numbers, empty,
+                               n_best)
   translate = translate or translator.translate
   lengths = [min(n, translator.max_src_len) for n in _token_lengths(translator, lines)]
   batches = []
@@ -218,6 +248,32 @@ def _translate_each(translator: Translator, lines: list[str],
                         [numbers[i] for i in batch] + [numbers[batch[0]]] * pad)
     for i, result in zip(batch, results):
       out[i] = result
+  return out
+
+
+def _translate_in_slots(translator: Translator, lines: list[str],
+                        groups: list[tuple[Sequence[int], DecodeOptions]], num_slots: int,
+                        progress: bool, numbers: list[int], empty, n_best: int) -> list:
+  """_translate_each through `num_slots` decoding slots: each group's lines streamed through
+  them longest first. With `n_best`, each line's n best (score, translation), else its best
+  translation."""
+  out = [empty] * len(lines)
+  tgt = translator.tokenizers.tgt
+  with tqdm.tqdm(total=sum(1 for i, _ in enumerate(lines) if lines[i].strip()),
+                 desc="translating", unit="sentence", disable=not progress) as bar:
+    for indices, options in groups:
+      indices = [i for i in indices if lines[i].strip()]
+      if not indices:
+        continue
+      src = encode_sources(translator.tokenizers.src, [lines[i] for i in indices],
+                           translator.max_src_len, numbers=[numbers[i] for i in indices])
+      rows = [row[row != 0] for row in src]
+      results = translator.decode_slots(rows, options, num_slots, progress=bar.update)
+      for i, (tokens, scores) in zip(indices, results):
+        if n_best:
+          out[i] = [(float(scores[j]), tgt.decode(strip(tokens[j]))) for j in range(n_best)]
+        else:
+          out[i] = tgt.decode(strip(tokens[0]))
   return out
 
 

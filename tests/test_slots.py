@@ -1,0 +1,76 @@
+"""Decoding slots against the batch decoders, on the trained smoke model: the same tokens and
+scores for every sentence, with sentences of many lengths entering and leaving few slots."""
+
+import jax
+import numpy as np
+import pytest
+
+from transformer_jax import decode, generation, slots
+from transformer_jax.generation import SPECIALS, DecodeOptions, encode_sources
+from transformer_jax.translator import Translator, split_pairs, translate_lines
+
+
+@pytest.fixture(scope="module")
+def translator(trained):
+  return Translator(trained[1])
+
+
+@pytest.fixture(scope="module")
+def sources(trained):
+  """40 sources from 2 to about 50 tokens, in no order of length: validation sentences, some
+  joined in twos and threes (the smoke model's outputs run to their limits, which follow the
+  widths: sentences then leave the slots at many steps)."""
+  texts, _ = split_pairs(str(trained[1]), "validation")
+  texts = texts[::len(texts) // 120][:120]  # The split runs from short to long sentences.
+  return [" ".join(texts[3 * j:3 * j + 1 + j % 3]) for j in range(40)]
+
+
+def _rows(translator, texts):
+  src = encode_sources(translator.tokenizers.src, texts, translator.max_src_len)
+  return src, [row[row != 0] for row in src]
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_slots_give_each_sentence_what_a_batch_of_its_width_gives(translator, sources,
+                                                                  beam_size):
+  options = DecodeOptions(beam_size=beam_size, alpha=0.6)
+  src, rows = _rows(translator, sources)
+  widths = np.array([-(-len(r) // 8) * 8 for r in rows])
+  tokens, scores = translator.decode(src, options, widths=widths)
+  got = translator.decode_slots(rows, options, num_slots=3)
+  ends = set()
+  for i, (slot_tokens, slot_scores) in enumerate(got):
+    length = tokens.shape[2]
+    np.testing.assert_array_equal(slot_tokens[:, :length], tokens[i], err_msg=str(i))
+    assert (slot_tokens[:, length:] == SPECIALS.pad).all()
+    np.testing.assert_allclose(slot_scores, scores[i], rtol=1e-5, atol=1e-5)
+    ends.add(int((tokens[i, 0] != SPECIALS.pad).sum()))
+  assert len(ends) >= 4  # Outputs of many lengths: sentences left the slots at many steps.
+
+
+def test_sampling_in_slots_draws_what_the_batch_sampler_draws(translator, sources):
+  """With a fixed key, each sentence samples the same tokens in a batch and in slots (its
+  keys come from its number in the input and the step)."""
+  src, rows = _rows(translator, sources[:16])
+  width, max_len = src.shape[1], src.shape[1] + 10
+  sampler, rng = decode.Sampling(temperature=1.5, top_k=20), jax.random.PRNGKey(7)
+  step, cache = generation.decoder(translator.model, translator.params, src, max_len)
+  batch = np.asarray(jax.jit(lambda: decode.sample_scored(
+      step, cache, len(rows), max_len, SPECIALS, sampler, rng)[0])())
+  decoder = slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 5,
+                              width, max_len, SPECIALS, sampler=sampler, rng=rng)
+  got = decoder.decode_all(rows, [max_len] * len(rows))
+  for i, (tokens, _) in enumerate(got):
+    np.testing.assert_array_equal(tokens[0], batch[i], err_msg=str(i))
+  greedy = generation.generate(translator.model, translator.params, src, max_len)
+  assert not np.array_equal(np.asarray(greedy), batch)  # It did sample.
+
+
+def test_translate_lines_in_slots_equals_batches(translator, sources):
+  lines = sources[:24] + ["", sources[0]]
+  options = DecodeOptions(beam_size=4, alpha=0.6)
+  batched = translate_lines(translator, lines, options, batch_size=8, progress=False,
+                            segment_over=None)
+  assert translate_lines(translator, lines, options, batch_size=8, progress=False,
+                         segment_over=None, num_slots=4) == batched
+  assert batched[24] == "" and batched[25] == batched[0]
