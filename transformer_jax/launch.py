@@ -91,3 +91,17 @@ def parse_flags(argv: list[str]) -> list[str]:
       flag = str(e).split(": ", 1)[0].removeprefix("flag ")  # --config=configs/x.py:ARG
       sys.exit(f"error: {flag}: {errors.first_line(root)}")
     sys.exit(f"error: {errors.first_line(e)}")
+
+
+def use_compilation_cache(workdir: str | Path, directory: str | None = None) -> Path:
+  """Turns on jax's persistent compilation cache for a command that decodes with `workdir`'s
+  model: `directory`, else the training run's (run.compilation_cache_dir, or WORKDIR/jax_cache),
+  so that a later command (or a restart) loads its programs instead of compiling them. Every
+  program is kept, however fast it compiled: a command compiles a handful."""
+  from transformer_jax.workdir import Workdir
+  run_dir = Workdir(workdir)
+  path = Path(directory or run_dir.load_config().run.compilation_cache_dir or run_dir.jax_cache)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path

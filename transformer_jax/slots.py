@@ -9,10 +9,13 @@ drives (`decode_all`):
 
   encode(params, src [P, w])   the next P sources' encodings, padded to the slots' width
   refill(state, ...)           free slots (empty, or their search ended) take new sources
-  run(state, min_free)         steps every search until `min_free` slots are free, or none runs
+  run(state, min_free, steps)  steps every search until `min_free` slots are free, none runs,
+                               or `steps` steps are done
 
 Each program is compiled once for the decoder's shape (slots, source width, output length,
-beam size), whatever the traffic; `encode` once per source width it meets. A sentence's
+beam size), whatever the traffic and the length penalty (each search has its own alpha);
+`encode` once per source width it meets. A `SlotStream` feeds one decoder: sources are put in
+as they come (a file's, or a server's requests') and come out as they finish. A sentence's
 tokens and scores are those the batch decoders give it (its output limit is its own: the
 caller's `limits`); sampling draws each sentence's tokens from keys of its item number and
 step (decode.row_keys), so they do not depend on its neighbours either.
@@ -29,6 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import decode
+
+
+# Decoder rows one step computes, by platform, when the user names no slot count: a CPU's
+# step costs about as much per row at a few dozen rows as at hundreds, an accelerator's step
+# costs about the same at a few rows as at hundreds.
+DEFAULT_ROWS = {"cpu": 64, "gpu": 1024, "tpu": 1024}
+
+
+def default_slots(platform: str, beam_size: int) -> int:
+  """The slots `translate` and `serve` use on `platform` for searches of `beam_size` beams."""
+  return max(1, DEFAULT_ROWS.get(platform, DEFAULT_ROWS["cpu"]) // beam_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +92,8 @@ class SlotDecoder:
                           self.model.encode(params, one, self.width))
     state = {"cache": self.model.init_cache(params, u * k, length), "sources": source,
              "items": jnp.full((u,), -1, jnp.int32), "active": jnp.zeros((u,), bool),
-             "limits": jnp.ones((u,), jnp.int32), "t": jnp.zeros((u,), jnp.int32)}
+             "limits": jnp.ones((u,), jnp.int32), "t": jnp.zeros((u,), jnp.int32),
+             "alpha": jnp.zeros((u,), jnp.float32)}
     if k == 1:
       state.update(last=jnp.full((u,), self.specials.bos, jnp.int32),
                    done=jnp.zeros((u,), bool), logprob=jnp.zeros((u,), jnp.float32),
@@ -87,9 +102,10 @@ class SlotDecoder:
       state["beams"] = decode.initial_beams(u, k, length, self.specials)
     return state
 
-  def _refill_fn(self, state, sources, take, limits, items):
+  def _refill_fn(self, state, sources, take, limits, items, alpha):
     """Slot u with take[u] >= 0 starts row take[u] of `sources` (encode's, [P, ...]) with
-    output limit limits[u] as item items[u] (what it held before is dropped)."""
+    output limit limits[u] and length penalty alpha[u] as item items[u] (what it held before
+    is dropped)."""
     fill = take >= 0
     picked = jax.tree.map(lambda x: x[jnp.clip(take, 0)], sources)
     state = dict(state)
@@ -97,6 +113,7 @@ class SlotDecoder:
     state["active"] = state["active"] | fill
     state["items"] = jnp.where(fill, items, state["items"])
     state["limits"] = jnp.where(fill, limits, state["limits"])
+    state["alpha"] = jnp.where(fill, alpha, state["alpha"])
     state["t"] = jnp.where(fill, 0, state["t"])
     u = self.slots
     if self.k == 1:
@@ -115,22 +132,27 @@ class SlotDecoder:
     if self.k == 1:
       ended = state["done"]
     else:
-      penalty = decode.length_penalty(state["limits"], self.alpha)
+      penalty = decode.length_penalty(state["limits"], state["alpha"])
       ended = decode.beam_done((None, *state["beams"], None), penalty)
     return state["active"] & (ended | at_limit)
 
-  def _run_fn(self, params, state, min_free):
-    """Steps every active search until at least `min_free` slots are free or finished, or
-    until no search runs."""
+  def _run_fn(self, params, state, min_free, max_steps):
+    """Steps every active search until at least `min_free` slots are free or finished, until
+    no search runs, or for `max_steps` steps."""
     model, k = self.model, self.k
 
-    def cond(state):
+    def cond(carry):
+      steps, state = carry
       finished = self._finished(state)
       running = state["active"] & ~finished
       free = jnp.sum(~state["active"]) + jnp.sum(finished)
-      return jnp.any(running) & (free < min_free)
+      return jnp.any(running) & (free < min_free) & (steps < max_steps)
 
-    def body(state):
+    def body(carry):
+      steps, state = carry
+      return steps + 1, step_all(state)
+
+    def step_all(state):
       running = state["active"] & ~self._finished(state)
       t = state["t"]
       index = jnp.repeat(t, k)  # Each row's position: its search's step.
@@ -148,79 +170,124 @@ class SlotDecoder:
                      logprob=jnp.where(running, logprob, state["logprob"]))
       else:
         old = (t, *state["beams"], state["cache"])
-        new = decode.beam_step(step, old, self.specials, self.alpha, k)
+        new = decode.beam_step(step, old, self.specials, state["alpha"], k)
         new = decode.keep_beams(~running, old, new)
         state.update(beams=new[1:6], cache=new[6])
       state["t"] = t + running
       return state
 
-    return jax.lax.while_loop(cond, body, state)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
   def _results_fn(self, state):
     """(tokens [U, K, L], scores [U, K]) of every slot, as decode.py's batch decoders give them
     (meaningful for the searches that finished)."""
     if self.k == 1:
       length = jnp.sum(state["out"] != self.specials.pad, axis=-1)
-      scores = state["logprob"] / decode.length_penalty(length, self.alpha)
+      scores = state["logprob"] / decode.length_penalty(length, state["alpha"])
       return state["out"][:, None], scores[:, None]
-    penalty = decode.length_penalty(state["limits"], self.alpha)
+    penalty = decode.length_penalty(state["limits"], state["alpha"])
     return decode.final_beams(*state["beams"], penalty, self.specials)
 
   # --- the host loop -----------------------------------------------------------------------
 
   def decode_all(self, sources: list[np.ndarray], limits: list[int],
-                 refill_at: int | None = None, progress: Callable[[int], None] | None = None
+                 alpha: float | None = None, refill_at: int | None = None,
+                 progress: Callable[[int], None] | None = None
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Decodes every source (token ids with <eos>, unpadded; each at most `width` tokens,
-    output limit limits[i] at most `max_len`): [(tokens [K, L], scores [K])] in their order.
-    Sources start longest first (the slots' last steps then hold the shortest), and source
-    i is item i (its sampling keys).
+    output limit limits[i] at most `max_len`) with length penalty `alpha` (default: the
+    decoder's): [(tokens [K, L],
+    scores [K])] in their order. Sources start longest first (the slots' last steps then hold
+    the shortest), and source i is item i (its sampling keys).
 
-    `refill_at`: how many free slots end a run (default: an eighth of the slots): fewer cost
-    more round trips to the host, more leave slots idle. `progress(n)`: called with the number
-    of sources that each run finished."""
-    refill_at = refill_at or max(1, self.slots // 8)
-    pending = collections.deque(sorted(range(len(sources)), key=lambda i: -len(sources[i])))
+    `refill_at`: how many free slots end a run while sources wait (default: an eighth of the
+    slots): fewer cost more round trips to the host, more leave slots idle. `progress(n)`:
+    called with the number of sources each run finished."""
+    stream = SlotStream(self)
+    for i in sorted(range(len(sources)), key=lambda i: -len(sources[i])):
+      stream.put(i, sources[i], limits[i], self.alpha if alpha is None else alpha)
     results: list[Any] = [None] * len(sources)
-    state = self._empty(self.params)
-    active = np.zeros(self.slots, bool)  # The host's view: slots holding an unfinished source.
-    item_of = np.full(self.slots, -1, np.int32)
-    chunk: collections.deque = collections.deque()  # (row of `encoded`, item) not yet started
-    encoded = None
-    while pending or chunk or active.any():
-      free = list(np.flatnonzero(~active))
-      while free and (pending or chunk):
-        if not chunk:
-          encoded, chunk = self._encode_next(sources, pending)
-        take = np.full(self.slots, -1, np.int32)
-        while free and chunk:
-          slot = free.pop(0)
-          take[slot], item_of[slot] = chunk.popleft()  # (row of `encoded`, item)
-          active[slot] = True
-        started = take >= 0
-        state = self._refill(state, encoded, take,
-                             np.where(started, [limits[i] for i in item_of], 1).astype(np.int32),
-                             np.where(started, item_of, -1).astype(np.int32))
-      min_free = refill_at if (pending or chunk) else self.slots + 1
-      state = self._run(self.params, state, np.int32(min_free))
-      finished = np.asarray(self._finished(state)) & active
-      if finished.any():
-        tokens, scores = map(np.asarray, self._results(state))
-        for slot in np.flatnonzero(finished):
-          results[item_of[slot]] = (tokens[slot], scores[slot])
-        active &= ~finished
-        if progress:
-          progress(int(finished.sum()))
+    refill_at = refill_at or max(1, self.slots // 8)
+    while stream.busy:
+      finished = stream.advance(refill_at if stream.waiting else self.slots + 1)
+      for item, tokens, scores in finished:
+        results[item] = (tokens, scores)
+      if progress and finished:
+        progress(len(finished))
     return results
 
-  def _encode_next(self, sources: list[np.ndarray], pending: collections.deque):
-    """Encodes the next `slots` pending sources as one batch of the width of its longest
-    (rounded up to 8: one program per width; padded with copies to a full batch):
-    (encodings, deque of (row, item))."""
-    items = [pending.popleft() for _ in range(min(self.slots, len(pending)))]
-    width = min(self.width, -(-max(len(sources[i]) for i in items) // 8) * 8)
-    src = np.zeros((self.slots, width), np.int32)
-    for row in range(self.slots):
-      ids = sources[items[row % len(items)]]
+
+class SlotStream:
+  """Sources fed into one decoder's slots as they come, handed back as they finish.
+
+  `put` queues a source; `advance` starts queued sources in the free slots (encoding them a
+  batch of `slots` at a time), runs the searches, and returns those that finished. Not
+  thread-safe: one thread drives a stream."""
+
+  def __init__(self, decoder: SlotDecoder):
+    self.decoder = decoder
+    self._state = decoder._empty(decoder.params)
+    self._active = np.zeros(decoder.slots, bool)  # Slots holding an unfinished search.
+    self._item = np.zeros(decoder.slots, np.int64)
+    self._queue: collections.deque = collections.deque()  # (item, ids, limit, alpha)
+    self._encoded = None
+    self._chunk: collections.deque = collections.deque()  # (row of _encoded, item, limit, alpha)
+
+  def put(self, item: int, ids: np.ndarray, limit: int, alpha: float) -> None:
+    """Queues source `ids` (with <eos>, at most the decoder's width) as `item`, with its output
+    limit (at most the decoder's max_len) and length penalty."""
+    self._queue.append((item, ids, limit, alpha))
+
+  @property
+  def waiting(self) -> int:
+    """Sources queued and not yet in a slot."""
+    return len(self._queue) + len(self._chunk)
+
+  @property
+  def running(self) -> int:
+    return int(self._active.sum())
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def advance(self, min_free: int, max_steps: int | None = None) -> list[tuple[int, Any, Any]]:
+    """Fills the free slots, then steps until `min_free` slots are free (finished or empty),
+    no search runs, or `max_steps` steps (default: the decoder's max_len) are done. Returns
+    (item, tokens [K, L], scores [K]) of the searches that finished."""
+    d = self.decoder
+    free = list(np.flatnonzero(~self._active))
+    while free and self.waiting:
+      if not self._chunk:
+        self._encode_next()
+      take = np.full(d.slots, -1, np.int32)
+      limits, items = np.ones(d.slots, np.int32), np.full(d.slots, -1, np.int32)
+      alpha = np.zeros(d.slots, np.float32)
+      while free and self._chunk:
+        slot = free.pop(0)
+        take[slot], item, limits[slot], alpha[slot] = self._chunk.popleft()
+        items[slot] = self._item[slot] = item
+        self._active[slot] = True
+      self._state = d._refill(self._state, self._encoded, take, limits, items, alpha)
+    self._state = d._run(d.params, self._state, np.int32(min_free),
+                         np.int32(max_steps or d.max_len))
+    finished = np.asarray(d._finished(self._state)) & self._active
+    if not finished.any():
+      return []
+    tokens, scores = map(np.asarray, d._results(self._state))
+    self._active &= ~finished
+    return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
+
+  def _encode_next(self) -> None:
+    """Encodes the next `slots` queued sources as one batch of the width of its longest
+    (rounded up to 8: one program per width; padded with copies to a full batch)."""
+    d = self.decoder
+    batch = [self._queue.popleft() for _ in range(min(d.slots, len(self._queue)))]
+    width = min(d.width, -(-max(len(ids) for _, ids, _, _ in batch) // 8) * 8)
+    src = np.zeros((d.slots, width), np.int32)
+    for row in range(d.slots):
+      ids = batch[row % len(batch)][1]
       src[row, :len(ids)] = ids
-    return self._encode(self.params, src, self.width), collections.deque(enumerate(items))
+    self._encoded = d._encode(d.params, src, d.width)
+    self._chunk = collections.deque((row, item, limit, alpha)
+                                    for row, (item, _, limit, alpha) in enumerate(batch))

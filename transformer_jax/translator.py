@@ -98,16 +98,16 @@ class Translator:
 
   def slot_decoder(self, options: DecodeOptions, num_slots: int) -> slots.SlotDecoder:
     """The slot decoder of `num_slots` searches with `options`, for sources of up to the
-    model's max_len: one per setting, so its programs compile once (the same for any input)."""
+    model's max_len: one per setting, so its programs compile once (the same for any input
+    and any length penalty)."""
     width = -(-self.max_src_len // 8) * 8
     max_len = options.max_len or width + options.max_len_margin
-    key = (num_slots, width, max_len, options.beam_size, options.alpha)
+    key = (num_slots, width, max_len, options.beam_size)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
       self._slot_decoders[key] = slots.SlotDecoder(
-          slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size,
-          options.alpha)
+          slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
@@ -117,7 +117,8 @@ class Translator:
     options.max_len_margin, or options.max_len), through `num_slots` decoding slots."""
     limits = [options.max_len or -(-len(ids) // 8) * 8 + options.max_len_margin
               for ids in sources]
-    return self.slot_decoder(options, num_slots).decode_all(sources, limits, progress=progress)
+    return self.slot_decoder(options, num_slots).decode_all(sources, limits, options.alpha,
+                                                            progress=progress)
 
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
                 numbers: list[int] | None = None) -> list[str]:

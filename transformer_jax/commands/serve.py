@@ -127,12 +127,8 @@ def main(argv):
     from transformer_jax.translator import Translator
     from transformer_jax.workdir import Workdir
 
-    import jax
-
-    run_dir = Workdir(FLAGS.workdir[0])
-    config = run_dir.load_config()
-    jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir
-                      or config.run.compilation_cache_dir or str(run_dir.jax_cache))
+    config = Workdir(FLAGS.workdir[0]).load_config()
+    launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
     default_beam = config.decode.beam_size
     settings = Settings(
         beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),

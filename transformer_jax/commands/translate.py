@@ -28,7 +28,9 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import errors, fs, launch  # noqa: E402
+import jax  # noqa: E402
+
+from transformer_jax import errors, fs, launch, slots  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
@@ -112,6 +114,13 @@ def define_flags():
                        "(SOURCE_LINE<TAB>RANK<TAB>SCORE<TAB>TRANSLATION, docs/translating.md) "
                        "instead of the best translation; needs --beam_size >= N. Sources are "
                        "translated whole (no sentence splitting).")
+  flags.DEFINE_string("slots", "auto", "Decoding slots: sentences enter free slots as others "
+                      "end (continuous batching; a beam of B is one slot of B rows). 'auto': "
+                      "as many as suit this device and beam size; 0: fixed batches "
+                      "(--batch_size, --batch_tokens) instead.")
+  flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
+                      "later command loads the decoder instead of compiling it); default: the "
+                      "training run's (run.compilation_cache_dir, or WORKDIR/jax_cache).")
   flags.DEFINE_bool("ema", True, "Decode with the parameters' moving average where the run kept "
                     "one (ema_decay > 0); --noema: with the parameters themselves.")
 
@@ -156,6 +165,9 @@ def main(argv):
         if Path(workdir).resolve() in Path(FLAGS.output).resolve().parents:
           raise InferenceError(f"--output {FLAGS.output} is inside the workdir {workdir}: "
                                "name a file outside it (its files are the run's)")
+    if FLAGS.slots != "auto" and not (FLAGS.slots.isdigit()):
+      raise InferenceError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
+                           f"{FLAGS.slots!r}")
     if FLAGS.n_best < 0:
       raise InferenceError(f"--n_best must be 0 (off) or positive, got {FLAGS.n_best}")
     if FLAGS.n_best and FLAGS.long_beam_size:
@@ -189,6 +201,7 @@ def main(argv):
                            f"({FLAGS.beam_size}): raise --beam_size")
     if FLAGS.n_best:
       FLAGS.long_beam_size = 0  # The workdir's default: n-best decodes every source alike.
+    launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema)
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
@@ -199,15 +212,17 @@ def main(argv):
     batch_size = FLAGS.batch_size if many else max(1, len(lines))
     segment_over = None if FLAGS.segment_over < 0 else FLAGS.segment_over
     long_beam = (FLAGS.long_over, FLAGS.long_beam_size) if FLAGS.long_beam_size else None
+    num_slots = (slots.default_slots(jax.default_backend(), FLAGS.beam_size)
+                 if FLAGS.slots == "auto" else int(FLAGS.slots))
     if FLAGS.n_best:
       lists = n_best_lines(translator, lines, FLAGS.n_best, options, batch_size, progress=many,
-                           batch_tokens=FLAGS.batch_tokens)
+                           batch_tokens=FLAGS.batch_tokens, num_slots=num_slots)
       text = format_n_best(lists)
       hypotheses = [entries[0][1] if entries else "" for entries in lists]
     else:
       hypotheses = translate_lines(translator, lines, options, batch_size, progress=many,
                                    segment_over=segment_over, long_beam=long_beam,
-                                   batch_tokens=FLAGS.batch_tokens)
+                                   batch_tokens=FLAGS.batch_tokens, num_slots=num_slots)
       text = "".join(h + "\n" for h in hypotheses)
     if FLAGS.output:
       Path(FLAGS.output).write_text(text, encoding="utf-8")
