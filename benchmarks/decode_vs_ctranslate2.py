@@ -65,7 +65,10 @@ def main():
   parser.add_argument("--ct2_batch", type=int, default=64,
                       help="CTranslate2's max_batch_size in examples, with --ct2_batch_tokens 0.")
   parser.add_argument("--modes", default="greedy,beam")
-  parser.add_argument("--engines", default="ours,ct2-float32,ct2-int8")
+  parser.add_argument("--engines", default="ours,ct2-float32,ct2-int8",
+                      help="ours: translate's decoding slots (--slots); ours-batches: its "
+                      "fixed batches (--batch_size, --batch_tokens); ct2-float32, ct2-int8.")
+  parser.add_argument("--slots", default="auto", help="ours' decoding slots: 'auto' or a count.")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
@@ -78,6 +81,7 @@ def main():
   import sacrebleu
   import sentencepiece as spm
 
+  from transformer_jax import slots
   from transformer_jax.commands.translate import read_lines
   from transformer_jax.generation import DecodeOptions
   from transformer_jax.translator import BEAM_BUDGET, Translator, translate_lines
@@ -102,7 +106,7 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     engines = {}
     for name in args.engines.split(","):
-      if name == "ours":
+      if name.startswith("ours"):
         engines[name] = None
         continue
       import ctranslate2
@@ -114,9 +118,12 @@ def main():
                                              inter_threads=1, intra_threads=args.threads)
 
     def run(name: str, beam: int, which: list[int]) -> list[str]:
-      if name == "ours":
+      if name.startswith("ours"):
         options = DecodeOptions(beam_size=beam, alpha=alpha)
         kwargs = {"batch_tokens": args.batch_tokens} if args.batch_tokens else {}
+        if name == "ours":
+          kwargs["num_slots"] = (slots.default_slots("cpu", beam) if args.slots == "auto"
+                                 else int(args.slots))
         return translate_lines(translator, [lines[i] for i in which], options, args.batch_size,
                                progress=False, **kwargs)
       batching = (dict(max_batch_size=args.ct2_batch_tokens, batch_type="tokens")
@@ -159,8 +166,9 @@ def main():
   header = (f"{cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; jax "
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
-            f"alpha {alpha}; ours: batches of {args.batch_size} sentences, {args.batch_tokens} "
-            f"tokens (beam search {BEAM_BUDGET}x that); "
+            f"alpha {alpha}; ours: --slots {args.slots}; ours-batches: batches of "
+            f"{args.batch_size} sentences, {args.batch_tokens} tokens (beam search "
+            f"{BEAM_BUDGET}x that); "
             f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"
                                            if args.ct2_batch_tokens else
                                            f"{args.ct2_batch} sentences")

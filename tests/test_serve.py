@@ -177,11 +177,11 @@ def _send_in_thread(port, request, results, key):
 
 def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, short, sources,
                                                          expected):
-  # With one decoder a partial batch waits 3 s for company, so the first request's 4
-  # sentences stay queued (two decoders would each take their share at once).
+  # With fixed batches and one decoder a partial batch waits 3 s for company, so the first
+  # request's 4 sentences stay queued (two decoders would each take their share at once).
   _, workdir = trained
   process, port, log = _serve(workdir, tmp_path, "--max_queue=4", "--max_sentences=4",
-                              "--max_wait_ms=3000", "--decoders=1")
+                              "--max_wait_ms=3000", "--decoders=1", "--slots=0")
   lengths = [len(ids) + 1 for ids in Workdir(workdir).tokenizers().src.encode(sources)]
   narrow = [s for s, n in zip(sources, lengths) if n <= 8]
   wide = [s for s, n in zip(sources, lengths) if 8 < n <= 16]
@@ -209,7 +209,8 @@ def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, shor
 def test_sigterm_answers_the_requests_in_flight_then_exits_0(trained, tmp_path, short, sources,
                                                               expected):
   _, workdir = trained
-  process, port, log = _serve(workdir, tmp_path, "--max_wait_ms=3000", "--decoders=1")
+  process, port, log = _serve(workdir, tmp_path, "--max_wait_ms=3000", "--decoders=1",
+                              "--slots=0")
   results, threads = {}, []
   for r in range(3):
     threads.append(_send_in_thread(

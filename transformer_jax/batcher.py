@@ -298,3 +298,139 @@ class Batcher:
           done.append(piece.job)
     for job in done:
       job.future.set_result(job.results)
+
+
+class SlotBatcher:
+  """Batcher's interface over decoding slots (slots.py): a thread per beam size keeps a
+  `SlotStream`, and a request's pieces enter free slots as soon as they come, each leaving
+  (and its request answered, once all its pieces have) as soon as its search ends; no piece
+  waits for a batch to fill or to finish. `stream(beam_size)` makes the stream of a beam
+  size. A stream stops its searches every `max_steps` steps to take new pieces in."""
+
+  def __init__(self, stream: Callable[[int], object], max_queue: int, margin: int,
+               max_steps: int = 4):
+    """`margin`: a piece's output limit is its width + margin (translate's rule)."""
+    self._stream, self.max_queue, self.max_steps = stream, max_queue, max_steps
+    self.margin = margin
+    self._cond = threading.Condition()
+    self._queues: dict[int, collections.deque[Piece]] = {}
+    self._stopping = False
+    self._threads: list[threading.Thread] = []
+    self.shapes_total = self.shapes_done = 0
+    self.ready = False
+    self.error: BaseException | None = None
+    self._stats = Stats()
+    self._warm = 0
+
+  def start(self, kinds: Sequence[tuple[int, int]]) -> None:
+    """One thread per beam size of `kinds` ((width, beam size) pairs): each compiles its
+    stream's programs for every width, then serves."""
+    beams = sorted({k for _, k in kinds})
+    self.shapes_total = len(kinds)
+    self._queues = {k: collections.deque() for k in beams}
+    for k in beams:
+      widths = [w for w, kk in kinds if kk == k]
+      thread = threading.Thread(target=self._main, args=(k, widths), name=f"slots-beam{k}",
+                                daemon=True)
+      self._threads.append(thread)
+      thread.start()
+
+  def stop(self) -> None:
+    """Decodes what is queued, then ends the threads (and waits for them)."""
+    with self._cond:
+      self._stopping = True
+      self._cond.notify_all()
+    for thread in self._threads:
+      thread.join()
+
+  def stats(self) -> Stats:
+    with self._cond:
+      return dataclasses.replace(self._stats)
+
+  def queued(self) -> int:
+    return sum(map(len, self._queues.values()))
+
+  def submit(self, pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
+    """Queues one request's pieces (ids with <eos>, kind); raises QueueFull or NotReady."""
+    job = Job(len(pieces))
+    now = time.monotonic()
+    with self._cond:
+      if self.error is not None:
+        raise NotReady(f"the decoder stopped ({self.error!r}); restart the server")
+      if not self.ready or self._stopping:
+        raise NotReady("stopping" if self._stopping else
+                       f"compiling: {self.shapes_done} of {self.shapes_total} shapes done")
+      if self.queued() + len(pieces) > self.max_queue:
+        raise QueueFull(f"{self.queued()} sentences are waiting and this request brings "
+                        f"{len(pieces)}; the queue holds {self.max_queue} (--max_queue)")
+      for i, (ids, kind) in enumerate(pieces):
+        self._queues[kind.beam_size].append(Piece(job, i, ids, kind, now))
+      self._cond.notify_all()
+    return job
+
+  def _main(self, beam_size: int, widths: list[int]) -> None:
+    queue, pieces, number = self._queues[beam_size], {}, 0
+    try:
+      stream = self._stream(beam_size)
+      self._warm_up(stream, widths)
+      while True:
+        with self._cond:
+          while not queue and not stream.busy and not self._stopping:
+            self._cond.wait()
+          self._cond.notify_all()  # A request waiting on the queue's room may go on.
+          if not queue and not stream.busy:
+            return  # Stopping, and nothing is left.
+          # Pieces wait here (counted against max_queue) until a slot is free for them.
+          room = stream.decoder.slots - stream.running - stream.waiting
+          for _ in range(min(room, len(queue))):
+            piece = queue.popleft()
+            number += 1
+            pieces[number] = piece
+            stream.put(number, np.asarray(piece.ids, np.int32),
+                       piece.kind.width + self.margin, piece.kind.alpha)
+        start = time.monotonic()
+        free = stream.decoder.slots - stream.running
+        finished = stream.advance(min_free=1 if stream.waiting else free + 1,
+                                  max_steps=self.max_steps)
+        if finished:
+          self._finish(pieces, finished, time.monotonic() - start,
+                       stream.running + len(finished))
+    except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
+      logging.exception("a decoder thread stopped")
+      with self._cond:
+        self.error = e
+        self.ready = False
+        jobs = [p.job for p in [*pieces.values(), *queue] if p.job.claim_failure()]
+        queue.clear()
+      for job in jobs:
+        job.future.set_exception(e)
+
+  def _warm_up(self, stream, widths: list[int]) -> None:
+    """Compiles the stream's programs (the encoder at every width) before serving."""
+    start = time.monotonic()
+    for width in widths:
+      for count in (1, stream.decoder.slots):  # Both encoder batch sizes.
+        for n in range(count):
+          stream.put(-1 - n, np.array([3] * (width - 1) + [2], np.int32), 2, 0.6)
+        while stream.busy:
+          stream.advance(min_free=stream.decoder.slots + 1)
+      with self._cond:
+        self.shapes_done += 1
+    logging.info("compiled the slots of %d widths in %.1f s", len(widths),
+                 time.monotonic() - start)
+    with self._cond:
+      self._warm += 1
+      self.ready = self._warm == len(self._queues)
+
+  def _finish(self, pieces: dict, finished, seconds: float, rows: int) -> None:
+    """Answers the pieces that `finished` (a run that held `rows` searches, in `seconds`)."""
+    done = []
+    with self._cond:
+      self._stats.add(len(finished), rows + len(finished), seconds)
+      for number, tokens, scores in finished:
+        piece = pieces.pop(number)
+        if piece.job.add(piece.index, (tokens, scores)):
+          done.append(piece.job)
+    for job in done:
+      job.future.set_result(job.results)
+

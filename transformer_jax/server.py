@@ -24,14 +24,15 @@ import dataclasses
 import json
 import time
 
+import jax
 from absl import logging
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from transformer_jax import errors, sentences as sentences_lib
-from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull
+from transformer_jax import errors, sentences as sentences_lib, slots
+from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.generation import DecodeOptions, strip
 from transformer_jax.translator import Translator, batch_rows
@@ -54,6 +55,9 @@ class Settings:
   max_request_bytes: int = 65536
   max_sentences: int = 64  # Per request.
   max_sentence_chars: int = 2000
+  # Decoding slots per beam size (slots.py): -1, as many as suit the device; 0, fixed batches
+  # (the fields above from batch_size to join_widths) instead.
+  slots: int = 0
 
 
 class BadRequest(Exception):
@@ -75,13 +79,25 @@ class Service:
     beams = set(settings.beam_sizes)
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
-    self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
-                           settings.join_requests, settings.decoders, settings.join_widths)
+    if settings.slots:
+      self.batcher = SlotBatcher(self._stream, settings.max_queue,
+                                 DecodeOptions().max_len_margin)
+    else:
+      self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
+                             settings.join_requests, settings.decoders, settings.join_widths)
     self.kinds = [(w, k) for k in sorted(beams) for w in widths(translator.max_src_len)]
 
   def rows(self, width: int, beam_size: int) -> int:
     """The most sentences of a batch of this width and beam size (translate's rule)."""
     return batch_rows(width, beam_size, self.settings.batch_size, self.settings.batch_tokens)
+
+  def _stream(self, beam_size: int) -> slots.SlotStream:
+    """The slots of one beam size (their count: settings.slots, or the device's default)."""
+    count = self.settings.slots
+    if count < 0:
+      count = slots.default_slots(jax.default_backend(), beam_size)
+    return slots.SlotStream(self.translator.slot_decoder(DecodeOptions(beam_size=beam_size),
+                                                         count))
 
   def _decode(self, src, widths, beam_size, alpha):
     return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha), widths)

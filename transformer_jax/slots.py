@@ -279,13 +279,15 @@ class SlotStream:
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
 
   def _encode_next(self) -> None:
-    """Encodes the next `slots` queued sources as one batch of the width of its longest
-    (rounded up to 8: one program per width; padded with copies to a full batch)."""
+    """Encodes the next queued sources, at most `slots`, as one batch of the width of its
+    longest (rounded up to 8) and of `slots` rows, or an eighth of that when so few wait (a
+    server's few new sentences): a program per (rows, width). Padded with copies."""
     d = self.decoder
     batch = [self._queue.popleft() for _ in range(min(d.slots, len(self._queue)))]
     width = min(d.width, -(-max(len(ids) for _, ids, _, _ in batch) // 8) * 8)
-    src = np.zeros((d.slots, width), np.int32)
-    for row in range(d.slots):
+    rows = d.slots if len(batch) > max(1, d.slots // 8) else max(1, d.slots // 8)
+    src = np.zeros((rows, width), np.int32)
+    for row in range(rows):
       ids = batch[row % len(batch)][1]
       src[row, :len(ids)] = ids
     self._encoded = d._encode(d.params, src, d.width)

@@ -42,6 +42,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("port", 8080, "Port to listen on.")
   flags.DEFINE_list("beam_sizes", None, "Beam sizes a request may ask for, each compiled at "
                     "start-up; default: 1 and the workdir's decode.beam_size.")
+  flags.DEFINE_string("slots", "auto", "Decoding slots per beam size: a request's sentences "
+                      "enter free slots as soon as they come and leave as their searches end "
+                      "(continuous batching). 'auto': as many as suit this device and beam "
+                      "size; 0: fixed batches instead (--batch_size, --batch_tokens, "
+                      "--max_wait_ms, --batching, --decoders, --join_widths).")
   flags.DEFINE_integer("batch_size", 64, "Sentences per batch at most.")
   flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of rows x source "
                        "tokens (beams count as rows), up to --batch_size; 0: --batch_size.")
@@ -108,6 +113,9 @@ def main(argv):
                        f"{FLAGS.max_sentences}: a full request could never be queued")
     if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0:
       raise ServeError("--batch_tokens and --max_wait_ms must be 0 or positive")
+    if FLAGS.slots != "auto" and not FLAGS.slots.isdigit():
+      raise ServeError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
+                       f"{FLAGS.slots!r}")
     if not FLAGS.shutdown_timeout > 0:
       raise ServeError(f"--shutdown_timeout must be positive (seconds), got "
                        f"{FLAGS.shutdown_timeout}")
@@ -136,7 +144,8 @@ def main(argv):
         max_wait=FLAGS.max_wait_ms / 1000, join_requests=FLAGS.batching,
         decoders=FLAGS.decoders, join_widths=FLAGS.join_widths,
         max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
-        max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars)
+        max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars,
+        slots=-1 if FLAGS.slots == "auto" else int(FLAGS.slots))
     if default_beam not in settings.beam_sizes:
       raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
                        f"size ({default_beam}), which requests without beam_size get")
