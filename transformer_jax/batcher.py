@@ -112,6 +112,26 @@ class Piece:
   arrived: float
 
 
+def submit(batcher: "Batcher | SlotBatcher", pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
+  """Queues one request's pieces (ids with <eos>, kind) with a batcher; raises QueueFull or
+  NotReady."""
+  job = Job(len(pieces))
+  now = time.monotonic()
+  with batcher._cond:
+    if batcher.error is not None:
+      raise NotReady(f"the decoder stopped ({batcher.error!r}); restart the server")
+    if not batcher.ready or batcher._stopping:
+      raise NotReady("stopping" if batcher._stopping else
+                     f"compiling: {batcher.shapes_done} of {batcher.shapes_total} shapes done")
+    queued = batcher.queued()
+    if queued + len(pieces) > batcher.max_queue:
+      raise QueueFull(f"{queued} sentences are waiting and this request brings {len(pieces)}; "
+                      f"the queue holds {batcher.max_queue} (--max_queue)")
+    batcher._append([Piece(job, i, ids, kind, now) for i, (ids, kind) in enumerate(pieces)])
+    batcher._cond.notify_all()
+  return job
+
+
 class Batcher:
   """Joins pieces into batches and decodes them on threads of its own."""
 
@@ -164,21 +184,10 @@ class Batcher:
     return len(self._queue)
 
   def submit(self, pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
-    """Queues one request's pieces (ids with <eos>, kind); raises QueueFull or NotReady."""
-    job = Job(len(pieces))
-    now = time.monotonic()
-    with self._cond:
-      if self.error is not None:
-        raise NotReady(f"the decoder stopped ({self.error!r}); restart the server")
-      if not self.ready or self._stopping:
-        raise NotReady("stopping" if self._stopping else
-                       f"compiling: {self.shapes_done} of {self.shapes_total} shapes done")
-      if len(self._queue) + len(pieces) > self.max_queue:
-        raise QueueFull(f"{len(self._queue)} sentences are waiting and this request brings "
-                        f"{len(pieces)}; the queue holds {self.max_queue} (--max_queue)")
-      self._queue.extend(Piece(job, i, ids, kind, now) for i, (ids, kind) in enumerate(pieces))
-      self._cond.notify_all()
-    return job
+    return submit(self, pieces)
+
+  def _append(self, pieces: list[Piece]) -> None:
+    self._queue.extend(pieces)
 
   def _main(self, shapes=None) -> None:
     try:
@@ -351,22 +360,11 @@ class SlotBatcher:
     return sum(map(len, self._queues.values()))
 
   def submit(self, pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
-    """Queues one request's pieces (ids with <eos>, kind); raises QueueFull or NotReady."""
-    job = Job(len(pieces))
-    now = time.monotonic()
-    with self._cond:
-      if self.error is not None:
-        raise NotReady(f"the decoder stopped ({self.error!r}); restart the server")
-      if not self.ready or self._stopping:
-        raise NotReady("stopping" if self._stopping else
-                       f"compiling: {self.shapes_done} of {self.shapes_total} shapes done")
-      if self.queued() + len(pieces) > self.max_queue:
-        raise QueueFull(f"{self.queued()} sentences are waiting and this request brings "
-                        f"{len(pieces)}; the queue holds {self.max_queue} (--max_queue)")
-      for i, (ids, kind) in enumerate(pieces):
-        self._queues[kind.beam_size].append(Piece(job, i, ids, kind, now))
-      self._cond.notify_all()
-    return job
+    return submit(self, pieces)
+
+  def _append(self, pieces: list[Piece]) -> None:
+    for piece in pieces:
+      self._queues[piece.kind.beam_size].append(piece)
 
   def _main(self, beam_size: int, widths: list[int]) -> None:
     queue, pieces, number = self._queues[beam_size], {}, 0
