@@ -2,6 +2,7 @@
 scores for every sentence, with sentences of many lengths entering and leaving few slots."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -74,3 +75,34 @@ def test_translate_lines_in_slots_equals_batches(translator, sources):
   assert translate_lines(translator, lines, options, batch_size=8, progress=False,
                          segment_over=None, num_slots=4) == batched
   assert batched[24] == "" and batched[25] == batched[0]
+
+
+def _counting_model(vocab=16):
+  """A SlotModel whose output for a source of n tokens is 5, 6, ..., then <eos> at step n - 1
+  (one step per source token): sentences of different lengths end at different steps."""
+  def encode(params, src, width):
+    return {"n": jnp.sum(src != SPECIALS.pad, axis=1)}
+
+  def step(params, tokens, cache, sources, index):
+    n = jnp.repeat(sources["n"], tokens.shape[0] // sources["n"].shape[0])  # A beam's rows.
+    best = jnp.where(index + 1 >= n, SPECIALS.eos, 5 + index)
+    logits = jnp.where(jnp.arange(vocab)[None, :] == best[:, None], 0.0, -5.0)
+    return logits, {"calls": cache["calls"] + 1}
+
+  return slots.SlotModel(step=step, init_cache=lambda params, rows, max_len: {
+      "calls": jnp.zeros((rows,), jnp.int32)}, encode=encode)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam_size):
+  lengths = [9, 2, 5, 3, 12, 4, 7, 2, 6, 3, 10, 5]
+  sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
+  decoder = slots.SlotDecoder(_counting_model(), None, 4, 16, 20, SPECIALS, beam_size=beam_size)
+  finished = []
+  results = decoder.decode_all(sources, [20] * len(sources), progress=finished.append)
+  for n, (tokens, scores) in zip(lengths, results):
+    expected = [5 + i for i in range(n - 1)] + [SPECIALS.eos]
+    assert tokens[0][:n].tolist() == expected and (tokens[0][n:] == SPECIALS.pad).all()
+    assert scores.shape == (beam_size,)
+  assert sum(finished) == len(lengths) and len(finished) > 3  # Many runs, each ending some.

@@ -97,9 +97,10 @@ def define_flags():
                        "source) of more than --long_over tokens; 0: --beam_size for all. Needs "
                        "beam search (--beam_size 2 or more). Default: the workdir's config.")
   flags.DEFINE_integer("long_over", None, "See --long_beam_size. Default: the workdir's config.")
-  flags.DEFINE_integer("batch_size", 64, "Sentences per batch with --input or --split (at "
-                       "most, with --batch_tokens).")
-  flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of decoder rows x "
+  flags.DEFINE_integer("batch_size", 64, "With --slots 0: sentences per batch with --input or "
+                       "--split (at most, with --batch_tokens).")
+  flags.DEFINE_integer("batch_tokens", 1024, "With --slots 0: sentences per batch by a budget of "
+                       "decoder rows x "
                        "source tokens (a beam's rows count; beam search gets twice the budget), "
                        "up to --batch_size; 0: --batch_size sentences in every batch.")
   flags.DEFINE_string("input", None, "File with one source sentence a line.")
