@@ -16,10 +16,14 @@
 # PART 3: the fused (chunked) loss and gradient accumulation at base and big size (memory report
 #         and step time, round-robin), ours against eager and torch.compile'd PyTorch at base
 #         size, and the base step's profile with and without the chunked loss.
+# PART decode: the main job (configs/fra_eng.py) trained on the GPU, then `translate` on the
+#         Tatoeba sources with decoding slots, beam 4 and greedy, each twice (an empty, then a
+#         filled compilation cache), timed whole. Reads $DATA (default data/: made by
+#         `python -m transformer_jax download --out data`, git-ignored; carry it along).
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures.
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|1|2|3]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|1|2|3|decode]}
 part=${2:-real}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -71,6 +75,19 @@ elif [ "$part" = 1 ]; then
   step tests 240 $py -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_decode.py
   step base_cudnn 200 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_cudnn.json"
   step big_cudnn 200 $py benchmarks/train_step.py "${big[@]}" --json "$out/big_cudnn.json"
+elif [ "$part" = decode ]; then
+  data=${DATA:-data}
+  tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
+  step train_fra_eng 900 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
+      --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
+  for beam in 4 1; do
+    for run in first second; do
+      step "translate_beam${beam}_$run" 600 bash -c "time $py -m transformer_jax translate \
+          --workdir $out/fra_eng --input $tatoeba.eng --reference $tatoeba.fra \
+          --output $out/tatoeba_beam$beam.hyp --beam_size $beam \
+          --compilation_cache_dir $out/translate_cache"
+    done
+  done
 elif [ "$part" = 3 ]; then
   for size in base big; do
     step "variants_$size" 300 $py benchmarks/step_variants.py --config "configs/wmt14_$size.py" \

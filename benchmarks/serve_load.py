@@ -8,11 +8,12 @@ start-up compilation, timed), then runs `--clients` threads, each sending `--req
 of 1 to `--max_sentences` validation sources (the workdir's own split, the same requests in
 every mode) over one keep-alive connection, and stops the server with SIGTERM (its exit status
 is checked). Modes:
-  batching    the server as it ships: concurrent requests decoded together, by 2 decoder
-              threads, sentences of different widths sharing batches
-  one_decoder `serve --decoders 1`: batching, one batch at a time
-  same_width  `serve --nojoin_widths`: batching, a batch holding one source width
-  nobatching  `serve --nobatching --decoders 1`: one request at a time
+  batching    the server as it ships: decoding slots that sentences enter as they come
+  batches     `serve --slots 0`: fixed batches, concurrent requests decoded together by 2
+              decoder threads, sentences of different widths sharing batches
+  one_decoder `serve --slots 0 --decoders 1`: fixed batches, one batch at a time
+  same_width  `serve --slots 0 --nojoin_widths`: fixed batches of one source width
+  nobatching  `serve --slots 0 --nobatching --decoders 1`: one request at a time
   full_queue  `serve --max_queue Q` (a small Q): requests refused with 503 are sent again after
               their Retry-After (scaled down by --retry_scale); every answer is checked
 Every answer is compared with the batching mode's answer to the same sentence: the table
@@ -188,8 +189,10 @@ def main() -> None:
   sources = [s for s in split_pairs(args.workdir, args.split)[0] if s.strip()]
   plan = requests_for(sources, args.clients, args.requests, args.max_sentences)
   sent = sum(len(r) for c in plan for r in c)
-  flags = {"batching": [], "one_decoder": ["--decoders=1"], "same_width": ["--nojoin_widths"],
-           "nobatching": ["--nobatching", "--decoders=1"],
+  flags = {"batching": [], "batches": ["--slots=0"],
+           "one_decoder": ["--slots=0", "--decoders=1"],
+           "same_width": ["--slots=0", "--nojoin_widths"],
+           "nobatching": ["--slots=0", "--nobatching", "--decoders=1"],
            "full_queue": [f"--max_queue={args.full_queue}",
                           f"--max_sentences={min(args.full_queue, 64)}"]}
   results, reference = {}, None
