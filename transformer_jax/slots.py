@@ -34,10 +34,11 @@ import numpy as np
 from transformer_jax import decode
 
 
-# Decoder rows one step computes, by platform, when the user names no slot count: a CPU's
-# step costs about as much per row at a few dozen rows as at hundreds, an accelerator's step
-# costs about the same at a few rows as at hundreds.
-DEFAULT_ROWS = {"cpu": 64, "gpu": 1024, "tpu": 1024}
+# Decoder rows one step computes, by platform, when the user names no slot count. On a 2-core
+# CPU 128 rows decoded the Tatoeba sources faster than 64 or 256 (greedy and beam 4:
+# docs/translating.md); an accelerator's step costs about the same at a few rows as at
+# hundreds.
+DEFAULT_ROWS = {"cpu": 128, "gpu": 1024, "tpu": 1024}
 
 
 def default_slots(platform: str, beam_size: int) -> int:
@@ -107,9 +108,18 @@ class SlotDecoder:
     output limit limits[u] and length penalty alpha[u] as item items[u] (what it held before
     is dropped)."""
     fill = take >= 0
-    picked = jax.tree.map(lambda x: x[jnp.clip(take, 0)], sources)
     state = dict(state)
-    state["sources"] = _where(fill, picked, state["sources"])
+    # Only the slots filled are written (a refill of a few slots must not rewrite every
+    # slot's source keys and values): one row at a time, in place.
+    order = jnp.argsort(~fill, stable=True)  # The slots to fill first.
+
+    def copy(j, held):
+      slot = order[j]
+      row = lambda x: jax.lax.dynamic_index_in_dim(x, take[slot], keepdims=False)
+      return jax.tree.map(lambda dst, new: jax.lax.dynamic_update_index_in_dim(
+          dst, row(new), slot, 0), held, sources)
+
+    state["sources"] = jax.lax.fori_loop(0, jnp.sum(fill), copy, state["sources"])
     state["active"] = state["active"] | fill
     state["items"] = jnp.where(fill, items, state["items"])
     state["limits"] = jnp.where(fill, limits, state["limits"])

@@ -26,6 +26,10 @@ from transformer_jax.generation import (SPECIALS, DecodeOptions, InferenceError,
 from transformer_jax.workdir import Workdir
 
 
+# The source widths of translate's slot decoders below the model's max_len (decode_slots).
+SLOT_WIDTHS = (16, 32)
+
+
 class Translator:
   """Restores a workdir's model and tokenizer (or several workdirs' models sharing a
   vocabulary: an ensemble) and translates batches of sentences."""
@@ -96,11 +100,12 @@ class Translator:
                           np.float32(options.alpha), limits)
     return tuple(map(np.asarray, out))
 
-  def slot_decoder(self, options: DecodeOptions, num_slots: int) -> slots.SlotDecoder:
-    """The slot decoder of `num_slots` searches with `options`, for sources of up to the
-    model's max_len: one per setting, so its programs compile once (the same for any input
-    and any length penalty)."""
-    width = -(-self.max_src_len // 8) * 8
+  def slot_decoder(self, options: DecodeOptions, num_slots: int,
+                   width: int | None = None) -> slots.SlotDecoder:
+    """The slot decoder of `num_slots` searches with `options`, for sources of up to `width`
+    tokens (default: the model's max_len, rounded up to 8): one per setting, so its programs
+    compile once (the same for any input and any length penalty)."""
+    width = width or -(-self.max_src_len // 8) * 8
     max_len = options.max_len or width + options.max_len_margin
     key = (num_slots, width, max_len, options.beam_size)
     if key not in self._slot_decoders:
@@ -114,11 +119,26 @@ class Translator:
                    progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token ids with <eos> (unpadded, at most max_len) -> [(tokens [K, L], scores [K])], as
     `decode` gives each in a batch of its own width (output limit: its width rounded up to 8 +
-    options.max_len_margin, or options.max_len), through `num_slots` decoding slots."""
-    limits = [options.max_len or -(-len(ids) // 8) * 8 + options.max_len_margin
-              for ids in sources]
-    return self.slot_decoder(options, num_slots).decode_all(sources, limits, options.alpha,
-                                                            progress=progress)
+    options.max_len_margin, or options.max_len), through `num_slots` decoding slots.
+
+    Sources go to the slots of the narrowest of SLOT_WIDTHS (then the model's max_len) that
+    holds them, the widest class first: a step's attention and a beam's cache reordering cost
+    as much as the slots' width, and most sentences are short."""
+    full = -(-self.max_src_len // 8) * 8
+    classes = sorted({min(next((w for w in SLOT_WIDTHS if len(ids) <= w), full), full)
+                      for ids in sources}, reverse=True)
+    results: list = [None] * len(sources)
+    for width in classes:
+      members = [i for i, ids in enumerate(sources)
+                 if min(next((w for w in SLOT_WIDTHS if len(ids) <= w), full), full) == width]
+      limits = [options.max_len or -(-len(sources[i]) // 8) * 8 + options.max_len_margin
+                for i in members]
+      decoder = self.slot_decoder(options, num_slots, width)
+      out = decoder.decode_all([sources[i] for i in members], limits, options.alpha,
+                               progress=progress)
+      for i, result in zip(members, out):
+        results[i] = result
+    return results
 
   def translate(self, sentences: list[str], options: DecodeOptions = DecodeOptions(),
                 numbers: list[int] | None = None) -> list[str]:
