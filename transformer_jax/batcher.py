@@ -310,17 +310,19 @@ class Batcher:
 
 
 class SlotBatcher:
-  """Batcher's interface over decoding slots (slots.py): a thread per beam size keeps a
-  `SlotStream`, and a request's pieces enter free slots as soon as they come, each leaving
-  (and its request answered, once all its pieces have) as soon as its search ends; no piece
-  waits for a batch to fill or to finish. `stream(beam_size)` makes the stream of a beam
-  size. A stream stops its searches every `max_steps` steps to take new pieces in."""
+  """Batcher's interface over decoding slots (slots.py): a thread per beam size keeps one
+  `SlotStream` per class of source widths, and a request's pieces enter free slots of their
+  class as soon as they come, each leaving (and its request answered, once all its pieces
+  have) as soon as its search ends; no piece waits for a batch to fill or to finish.
+  `stream(beam_size, width)` makes the stream of a beam size for sources of up to `width`
+  tokens; `widths` are the classes' widths, ascending. A stream stops its searches every
+  `max_steps` steps to take new pieces in."""
 
-  def __init__(self, stream: Callable[[int], object], max_queue: int, margin: int,
-               max_steps: int = 4):
+  def __init__(self, stream: Callable[[int, int], object], widths: Sequence[int],
+               max_queue: int, margin: int, max_steps: int = 4):
     """`margin`: a piece's output limit is its width + margin (translate's rule)."""
-    self._stream, self.max_queue, self.max_steps = stream, max_queue, max_steps
-    self.margin = margin
+    self._stream, self.widths, self.max_queue = stream, sorted(widths), max_queue
+    self.margin, self.max_steps = margin, max_steps
     self._cond = threading.Condition()
     self._queues: dict[int, collections.deque[Piece]] = {}
     self._stopping = False
@@ -333,7 +335,7 @@ class SlotBatcher:
 
   def start(self, kinds: Sequence[tuple[int, int]]) -> None:
     """One thread per beam size of `kinds` ((width, beam size) pairs): each compiles its
-    stream's programs for every width, then serves."""
+    streams' programs for every width, then serves."""
     beams = sorted({k for _, k in kinds})
     self.shapes_total = len(kinds)
     self._queues = {k: collections.deque() for k in beams}
@@ -366,33 +368,41 @@ class SlotBatcher:
     for piece in pieces:
       self._queues[piece.kind.beam_size].append(piece)
 
+  def _class(self, width: int) -> int:
+    return next(w for w in self.widths if width <= w)
+
   def _main(self, beam_size: int, widths: list[int]) -> None:
     queue, pieces, number = self._queues[beam_size], {}, 0
     try:
-      stream = self._stream(beam_size)
-      self._warm_up(stream, widths)
+      streams = {w: self._stream(beam_size, w) for w in self.widths}
+      self._warm_up(streams, widths)
       while True:
         with self._cond:
-          while not queue and not stream.busy and not self._stopping:
+          busy = lambda: any(s.busy for s in streams.values())
+          while not queue and not busy() and not self._stopping:
             self._cond.wait()
-          self._cond.notify_all()  # A request waiting on the queue's room may go on.
-          if not queue and not stream.busy:
+          if not queue and not busy():
             return  # Stopping, and nothing is left.
-          # Pieces wait here (counted against max_queue) until a slot is free for them.
-          room = stream.decoder.slots - stream.running - stream.waiting
-          for _ in range(min(room, len(queue))):
-            piece = queue.popleft()
-            number += 1
-            pieces[number] = piece
-            stream.put(number, np.asarray(piece.ids, np.int32),
-                       piece.kind.width + self.margin, piece.kind.alpha)
-        start = time.monotonic()
-        free = stream.decoder.slots - stream.running
-        finished = stream.advance(min_free=1 if stream.waiting else free + 1,
-                                  max_steps=self.max_steps)
-        if finished:
-          self._finish(pieces, finished, time.monotonic() - start,
-                       stream.running + len(finished))
+          # Pieces wait here (counted against max_queue) until a slot of their class is free.
+          for piece in list(queue):
+            stream = streams[self._class(piece.kind.width)]
+            if stream.decoder.slots > stream.running + stream.waiting:
+              queue.remove(piece)
+              number += 1
+              pieces[number] = piece
+              stream.put(number, np.asarray(piece.ids, np.int32),
+                         piece.kind.width + self.margin, piece.kind.alpha)
+          self._cond.notify_all()
+        for stream in streams.values():
+          if not stream.busy:
+            continue
+          start = time.monotonic()
+          free = stream.decoder.slots - stream.running
+          finished = stream.advance(min_free=1 if stream.waiting else free + 1,
+                                    max_steps=self.max_steps)
+          if finished:
+            self._finish(pieces, finished, time.monotonic() - start,
+                         stream.running + len(finished))
     except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
       logging.exception("a decoder thread stopped")
       with self._cond:
@@ -403,10 +413,11 @@ class SlotBatcher:
       for job in jobs:
         job.future.set_exception(e)
 
-  def _warm_up(self, stream, widths: list[int]) -> None:
-    """Compiles the stream's programs (the encoder at every width) before serving."""
+  def _warm_up(self, streams: dict, widths: list[int]) -> None:
+    """Compiles the streams' programs (each encoder width and batch size) before serving."""
     start = time.monotonic()
     for width in widths:
+      stream = streams[self._class(width)]
       for count in (1, stream.decoder.slots):  # Both encoder batch sizes.
         for n in range(count):
           stream.put(-1 - n, np.array([3] * (width - 1) + [2], np.int32), 2, 0.6)
@@ -424,11 +435,10 @@ class SlotBatcher:
     """Answers the pieces that `finished` (a run that held `rows` searches, in `seconds`)."""
     done = []
     with self._cond:
-      self._stats.add(len(finished), rows + len(finished), seconds)
+      self._stats.add(len(finished), rows, seconds)
       for number, tokens, scores in finished:
         piece = pieces.pop(number)
         if piece.job.add(piece.index, (tokens, scores)):
           done.append(piece.job)
     for job in done:
       job.future.set_result(job.results)
-

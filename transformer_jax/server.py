@@ -35,7 +35,7 @@ from transformer_jax import errors, sentences as sentences_lib, slots
 from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.generation import DecodeOptions, strip
-from transformer_jax.translator import Translator, batch_rows
+from transformer_jax.translator import SLOT_WIDTHS, Translator, batch_rows
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0
@@ -80,8 +80,9 @@ class Service:
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
     if settings.slots:
-      self.batcher = SlotBatcher(self._stream, settings.max_queue,
-                                 DecodeOptions().max_len_margin)
+      full = -(-translator.max_src_len // 8) * 8
+      self.batcher = SlotBatcher(self._stream, [w for w in SLOT_WIDTHS if w < full] + [full],
+                                 settings.max_queue, DecodeOptions().max_len_margin)
     else:
       self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
                              settings.join_requests, settings.decoders, settings.join_widths)
@@ -91,13 +92,14 @@ class Service:
     """The most sentences of a batch of this width and beam size (translate's rule)."""
     return batch_rows(width, beam_size, self.settings.batch_size, self.settings.batch_tokens)
 
-  def _stream(self, beam_size: int) -> slots.SlotStream:
-    """The slots of one beam size (their count: settings.slots, or the device's default)."""
+  def _stream(self, beam_size: int, width: int) -> slots.SlotStream:
+    """The slots of one beam size for sources of up to `width` tokens (their count:
+    settings.slots, or the device's default)."""
     count = self.settings.slots
     if count < 0:
       count = slots.default_slots(jax.default_backend(), beam_size)
     return slots.SlotStream(self.translator.slot_decoder(DecodeOptions(beam_size=beam_size),
-                                                         count))
+                                                         count, width))
 
   def _decode(self, src, widths, beam_size, alpha):
     return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha), widths)
