@@ -8,9 +8,9 @@ start-up compilation, timed), then runs `--clients` threads, each sending `--req
 of 1 to `--max_sentences` validation sources (the workdir's own split, the same requests in
 every mode) over one keep-alive connection, and stops the server with SIGTERM (its exit status
 is checked). Modes:
-  batching    the server as it ships: decoding slots that sentences enter as they come
-  batches     `serve --slots 0`: fixed batches, concurrent requests decoded together by 2
-              decoder threads, sentences of different widths sharing batches
+  batching    the server as it ships: fixed batches, concurrent requests decoded together by
+              2 decoder threads, sentences of different widths sharing batches
+  slots       `serve --slots auto`: decoding slots that sentences enter as they come
   one_decoder `serve --slots 0 --decoders 1`: fixed batches, one batch at a time
   same_width  `serve --slots 0 --nojoin_widths`: fixed batches of one source width
   nobatching  `serve --slots 0 --nobatching --decoders 1`: one request at a time
@@ -189,7 +189,7 @@ def main() -> None:
   sources = [s for s in split_pairs(args.workdir, args.split)[0] if s.strip()]
   plan = requests_for(sources, args.clients, args.requests, args.max_sentences)
   sent = sum(len(r) for c in plan for r in c)
-  flags = {"batching": [], "batches": ["--slots=0"],
+  flags = {"batching": [], "slots": ["--slots=auto"],
            "one_decoder": ["--slots=0", "--decoders=1"],
            "same_width": ["--slots=0", "--nojoin_widths"],
            "nobatching": ["--slots=0", "--nobatching", "--decoders=1"],

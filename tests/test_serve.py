@@ -64,7 +64,8 @@ def _serve(workdir, tmp_path, *flags):
 def server(trained, tmp_path_factory):
   _, workdir = trained
   server, port, log = _serve(workdir, tmp_path_factory.mktemp("serve"), "--max_sentences=8",
-                             "--max_sentence_chars=300", "--max_request_bytes=4000")
+                             "--max_sentence_chars=300", "--max_request_bytes=4000",
+                             "--slots=auto")
   yield port
   assert stop_server(server) == 0, log.read_text()[-3000:]
 

@@ -42,11 +42,13 @@ def define_flags() -> None:
   flags.DEFINE_integer("port", 8080, "Port to listen on.")
   flags.DEFINE_list("beam_sizes", None, "Beam sizes a request may ask for, each compiled at "
                     "start-up; default: 1 and the workdir's decode.beam_size.")
-  flags.DEFINE_string("slots", "auto", "Decoding slots per beam size: a request's sentences "
-                      "enter free slots as soon as they come and leave as their searches end "
-                      "(continuous batching). 'auto': as many as suit this device and beam "
-                      "size; 0: fixed batches instead (--batch_size, --batch_tokens, "
-                      "--max_wait_ms, --batching, --decoders, --join_widths).")
+  flags.DEFINE_string("slots", "0", "0: fixed batches (--batch_size, --batch_tokens, "
+                      "--max_wait_ms, --batching, --decoders, --join_widths). Else decoding slots "
+                      "per beam size and source-width class, 'auto' (as many as suit this device "
+                      "and beam size) or a count: a request's sentences enter free slots as they "
+                      "come and leave as their searches end (continuous batching). On a CPU the "
+                      "slots' idle rows cost as much as busy ones, so few clients are served "
+                      "faster by fixed batches (docs/serving.md).")
   flags.DEFINE_integer("batch_size", 64, "Sentences per batch at most.")
   flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of rows x source "
                        "tokens (beams count as rows), up to --batch_size; 0: --batch_size.")
