@@ -56,9 +56,13 @@ def test_the_readme_is_for_users():
 @pytest.mark.quick
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_docs_name_no_machine_paths_sittings_or_issues(path):
-  bad = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-         if NOT_ABOUT_THE_PROJECT.search(line)]
+  bad = _lines_matching(path, NOT_ABOUT_THE_PROJECT)
   assert not bad, "\n".join(bad)
+
+
+def _lines_matching(path, pattern) -> list[str]:
+  return [f"{path.name}:{n}: {line.strip()}"
+          for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
 
 
 # A lab notebook's wording: when or how something happened to be run, not what it measured.
@@ -69,8 +73,7 @@ JOURNAL = re.compile(r"\blent (for|once)\b|available then|\bslow(er)? day\b|\b(t
 @pytest.mark.quick
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_docs_read_as_records_not_a_journal(path):
-  bad = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-         if JOURNAL.search(line)]
+  bad = _lines_matching(path, JOURNAL)
   assert not bad, "\n".join(bad)
 
 

@@ -392,7 +392,6 @@ class SlotBatcher:
               pieces[number] = piece
               stream.put(number, np.asarray(piece.ids, np.int32),
                          piece.kind.width + self.margin, piece.kind.alpha)
-          self._cond.notify_all()
         for stream in streams.values():
           if not stream.busy:
             continue

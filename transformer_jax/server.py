@@ -35,7 +35,7 @@ from transformer_jax import errors, sentences as sentences_lib, slots
 from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.generation import DecodeOptions, strip
-from transformer_jax.translator import SLOT_WIDTHS, Translator, batch_rows
+from transformer_jax.translator import Translator, batch_rows
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0
@@ -80,9 +80,8 @@ class Service:
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
     if settings.slots:
-      full = -(-translator.max_src_len // 8) * 8
-      self.batcher = SlotBatcher(self._stream, [w for w in SLOT_WIDTHS if w < full] + [full],
-                                 settings.max_queue, DecodeOptions().max_len_margin)
+      self.batcher = SlotBatcher(self._stream, translator.slot_widths, settings.max_queue,
+                                 DecodeOptions().max_len_margin)
     else:
       self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
                              settings.join_requests, settings.decoders, settings.join_widths)

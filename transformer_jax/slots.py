@@ -91,17 +91,23 @@ class SlotDecoder:
     one = jnp.zeros((1, self.width), jnp.int32)
     source = jax.tree.map(lambda x: jnp.zeros((u, *x.shape[1:]), x.dtype),
                           self.model.encode(params, one, self.width))
-    state = {"cache": self.model.init_cache(params, u * k, length), "sources": source,
-             "items": jnp.full((u,), -1, jnp.int32), "active": jnp.zeros((u,), bool),
-             "limits": jnp.ones((u,), jnp.int32), "t": jnp.zeros((u,), jnp.int32),
-             "alpha": jnp.zeros((u,), jnp.float32)}
-    if k == 1:
-      state.update(last=jnp.full((u,), self.specials.bos, jnp.int32),
+    return {"cache": self.model.init_cache(params, u * k, length), "sources": source,
+            "items": jnp.full((u,), -1, jnp.int32), "active": jnp.zeros((u,), bool),
+            "limits": jnp.ones((u,), jnp.int32), "alpha": jnp.zeros((u,), jnp.float32),
+            **self._fresh()}
+
+  def _fresh(self) -> dict[str, Any]:
+    """The search state of every slot before its first step: step 0 and, greedy, <bos> as the
+    last token and nothing written; a beam search's initial beams."""
+    u = self.slots
+    fresh = {"t": jnp.zeros((u,), jnp.int32)}
+    if self.k == 1:
+      fresh.update(last=jnp.full((u,), self.specials.bos, jnp.int32),
                    done=jnp.zeros((u,), bool), logprob=jnp.zeros((u,), jnp.float32),
-                   out=jnp.full((u, length), self.specials.pad, jnp.int32))
+                   out=jnp.full((u, self.max_len), self.specials.pad, jnp.int32))
     else:
-      state["beams"] = decode.initial_beams(u, k, length, self.specials)
-    return state
+      fresh["beams"] = decode.initial_beams(u, self.k, self.max_len, self.specials)
+    return fresh
 
   def _refill_fn(self, state, sources, take, limits, items, alpha):
     """Slot u with take[u] >= 0 starts row take[u] of `sources` (encode's, [P, ...]) with
@@ -124,16 +130,8 @@ class SlotDecoder:
     state["items"] = jnp.where(fill, items, state["items"])
     state["limits"] = jnp.where(fill, limits, state["limits"])
     state["alpha"] = jnp.where(fill, alpha, state["alpha"])
-    state["t"] = jnp.where(fill, 0, state["t"])
-    u = self.slots
-    if self.k == 1:
-      fresh = {"last": jnp.full((u,), self.specials.bos, jnp.int32), "done": jnp.zeros((u,), bool),
-               "logprob": jnp.zeros((u,), jnp.float32),
-               "out": jnp.full((u, self.max_len), self.specials.pad, jnp.int32)}
-      state.update(_where(fill, fresh, {key: state[key] for key in fresh}))
-    else:
-      state["beams"] = _where(fill, decode.initial_beams(u, self.k, self.max_len, self.specials),
-                              state["beams"])
+    fresh = self._fresh()
+    state.update(_where(fill, fresh, {key: state[key] for key in fresh}))
     return state
 
   def _finished(self, state) -> jax.Array:
@@ -148,22 +146,21 @@ class SlotDecoder:
 
   def _run_fn(self, params, state, min_free, max_steps):
     """Steps every active search until at least `min_free` slots are free or finished, until
-    no search runs, or for `max_steps` steps."""
+    no search runs, or for `max_steps` steps: (state, the searches finished [U])."""
     model, k = self.model, self.k
 
     def cond(carry):
-      steps, state = carry
-      finished = self._finished(state)
+      steps, state, finished = carry
       running = state["active"] & ~finished
       free = jnp.sum(~state["active"]) + jnp.sum(finished)
       return jnp.any(running) & (free < min_free) & (steps < max_steps)
 
     def body(carry):
-      steps, state = carry
-      return steps + 1, step_all(state)
+      steps, state, finished = carry
+      state = step_all(state, state["active"] & ~finished)
+      return steps + 1, state, self._finished(state)
 
-    def step_all(state):
-      running = state["active"] & ~self._finished(state)
+    def step_all(state, running):
       t = state["t"]
       index = jnp.repeat(t, k)  # Each row's position: its search's step.
       step = lambda tokens, cache: model.step(params, tokens, cache, state["sources"], index)
@@ -186,7 +183,9 @@ class SlotDecoder:
       state["t"] = t + running
       return state
 
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+    _, state, finished = jax.lax.while_loop(cond, body, (jnp.int32(0), state,
+                                                         self._finished(state)))
+    return state, finished
 
   def _results_fn(self, state):
     """(tokens [U, K, L], scores [U, K]) of every slot, as decode.py's batch decoders give them
@@ -279,9 +278,9 @@ class SlotStream:
         items[slot] = self._item[slot] = item
         self._active[slot] = True
       self._state = d._refill(self._state, self._encoded, take, limits, items, alpha)
-    self._state = d._run(d.params, self._state, np.int32(min_free),
-                         np.int32(max_steps or d.max_len))
-    finished = np.asarray(d._finished(self._state)) & self._active
+    self._state, finished = d._run(d.params, self._state, np.int32(min_free),
+                                   np.int32(max_steps or d.max_len))
+    finished = np.asarray(finished) & self._active
     if not finished.any():
       return []
     tokens, scores = map(np.asarray, d._results(self._state))

@@ -100,12 +100,19 @@ class Translator:
                           np.float32(options.alpha), limits)
     return tuple(map(np.asarray, out))
 
+  @property
+  def slot_widths(self) -> list[int]:
+    """The source widths of the slot decoders' classes, ascending: SLOT_WIDTHS below the
+    model's max_len (rounded up to 8), then that."""
+    full = -(-self.max_src_len // 8) * 8
+    return [w for w in SLOT_WIDTHS if w < full] + [full]
+
   def slot_decoder(self, options: DecodeOptions, num_slots: int,
                    width: int | None = None) -> slots.SlotDecoder:
     """The slot decoder of `num_slots` searches with `options`, for sources of up to `width`
     tokens (default: the model's max_len, rounded up to 8): one per setting, so its programs
     compile once (the same for any input and any length penalty)."""
-    width = width or -(-self.max_src_len // 8) * 8
+    width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
     key = (num_slots, width, max_len, options.beam_size)
     if key not in self._slot_decoders:
@@ -124,13 +131,11 @@ class Translator:
     Sources go to the slots of the narrowest of SLOT_WIDTHS (then the model's max_len) that
     holds them, the widest class first: a step's attention and a beam's cache reordering cost
     as much as the slots' width, and most sentences are short."""
-    full = -(-self.max_src_len // 8) * 8
-    classes = sorted({min(next((w for w in SLOT_WIDTHS if len(ids) <= w), full), full)
-                      for ids in sources}, reverse=True)
+    widths = self.slot_widths
+    width_of = [next(w for w in widths if len(ids) <= w) for ids in sources]
     results: list = [None] * len(sources)
-    for width in classes:
-      members = [i for i, ids in enumerate(sources)
-                 if min(next((w for w in SLOT_WIDTHS if len(ids) <= w), full), full) == width]
+    for width in sorted(set(width_of), reverse=True):
+      members = [i for i, w in enumerate(width_of) if w == width]
       limits = [options.max_len or -(-len(sources[i]) // 8) * 8 + options.max_len_margin
                 for i in members]
       decoder = self.slot_decoder(options, num_slots, width)
