@@ -42,8 +42,7 @@ from transformer_jax.data import pipeline, sources, token_cache  # noqa: E402
 
 def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> dict:
   cfg = config_lib.parse(config).data
-  builder = sources.prepare(cfg.dataset, cfg.tfds_dir or os.path.expanduser(
-      "~/tensorflow_datasets"), cfg.data_dir or None)
+  builder = sources.prepare_config(cfg)
   split = f"{cfg.train_split}[:{pairs}]" if pairs else cfg.train_split
   text = sources.TextPairs(builder, cfg.dataset, split)
   workdir = scratch / "workdir"

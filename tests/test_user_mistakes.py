@@ -237,6 +237,30 @@ def test_another_corpus_in_the_same_tfds_dir_is_prepared_anew(tmp_path):
   assert sources.source_key(str(first)) != sources.source_key(str(second))
 
 
+def test_a_tfds_dir_inside_the_corpus_is_not_part_of_it(tmp_path):
+  """What preparing writes inside data_dir (the tfds dir, the token cache) does not change the
+  corpus's key: a second process finds the dataset prepared by the first."""
+  from transformer_jax.data import sources
+  data = _tsv_dir(tmp_path / "corpus", [f"hello {i}\tbonjour {i}" for i in range(50)])
+  tfds_dir = data / "tfds"
+  script = ("import sys; from transformer_jax.data import sources; "
+            "b = sources.prepare('parallel_tsv', sys.argv[1], sys.argv[2], sys.argv[3]); "
+            "print(b.data_dir)")
+  outputs = [subprocess.run([sys.executable, "-c", script, str(tfds_dir), str(data),
+                             str(data / "cache")], capture_output=True, text=True,
+                            check=True).stdout for _ in range(2)]
+  prepared = [out.splitlines()[-1] for out in outputs]
+  assert prepared[0] == prepared[1]
+  assert "preparing" in outputs[0] and "preparing" not in outputs[1]  # Built once.
+  assert [p.name for p in tfds_dir.iterdir()] == [Path(prepared[0]).parents[1].name]
+  (data / "cache" / "tokens.bin").parent.mkdir()
+  (data / "cache" / "tokens.bin").write_bytes(b"x")
+  assert sources.source_key(str(data), (str(tfds_dir), str(data / "cache"))) == \
+      Path(prepared[0]).parents[1].name
+  (data / "more.txt").write_text("another file of the corpus")
+  assert sources.source_key(str(data), (str(tfds_dir),)) != Path(prepared[0]).parents[1].name
+
+
 def test_the_shared_tokenizer_is_keyed_by_the_split_it_is_fitted_on(smoke_config, tmp_path):
   data = _tsv_dir(tmp_path / "data", [f"sentence number {i} here\tphrase numéro {i} ici"
                                       for i in range(400)])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -309,8 +308,7 @@ def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
   from transformer_jax.data.builders import DatasetError
   config = Workdir(workdir).load_config().data
   try:
-    builder = sources.prepare(config.dataset, config.tfds_dir or os.path.expanduser(
-        "~/tensorflow_datasets"), config.data_dir or None)
+    builder = sources.prepare_config(config)
     pairs = sources.pairs(builder, config.dataset, split)
   except (DatasetError, FileNotFoundError, ValueError, KeyError) as e:
     raise InferenceError(f"--split {split} of {config.dataset} (data_dir="

@@ -29,9 +29,9 @@ from transformer_jax.data.tokenizer import SPM_FILE, WORD_FILE, Tokenizers, trai
 def cache_root(cfg: DataConfig) -> Path:
   """Tokenizers and token caches of this dataset made from this source (sources.source_key)."""
   from transformer_jax.data import sources  # tfds loads here, not on import.
-  tfds_dir = cfg.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
+  tfds_dir = sources.tfds_dir_of(cfg)
   return (Path(cfg.cache_dir or Path(tfds_dir) / "transformer_jax_cache") / cfg.dataset
-          / sources.source_key(cfg.data_dir or None))
+          / sources.source_key(cfg.data_dir or None, (tfds_dir, cfg.cache_dir)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +111,7 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
   workdir = Path(workdir)  # Created when the tokenizer is saved in it.
 
   def load(build: bool):
-    builder = sources.prepare(cfg.dataset, cfg.tfds_dir or os.path.expanduser(
-        "~/tensorflow_datasets"), cfg.data_dir or None)
+    builder = sources.prepare_config(cfg)
     texts = {split: sources.TextPairs(builder, cfg.dataset, split)
              for split in (cfg.train_split, cfg.eval_split)}
     tokenizers = (tokenizers_for(cfg, texts[cfg.train_split], workdir, tokenizer_from) if build

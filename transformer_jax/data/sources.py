@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 from pathlib import Path
 
 import tensorflow_datasets as tfds
@@ -58,16 +59,20 @@ _HASHED_BYTES = 64 * 2 ** 20  # Larger raw files are known by name, size and tim
 
 
 @functools.lru_cache(maxsize=None)
-def source_key(data_dir: str | None) -> str:
+def source_key(data_dir: str | None, outputs: tuple[str, ...] = ()) -> str:
   """What a prepared dataset is made from: "download" (its public source), or "local-" and a
-  digest of the files under `data_dir` (their names and bytes). Datasets and token caches are
-  kept by this key, so that another corpus in the same place is prepared anew, never mistaken
-  for the one prepared before."""
+  digest of the files under `data_dir` (their names and bytes) outside the `outputs`
+  directories (tfds_dir and the token cache: what preparing writes, which may lie inside
+  data_dir). Datasets and token caches are kept by this key, so that another corpus in the same
+  place is prepared anew, never mistaken for the one prepared before."""
   if not data_dir:
     return "download"
   root = Path(data_dir).resolve()
+  skipped = [Path(out).resolve() for out in outputs if out]
+  inputs = (p for p in root.rglob("*")
+            if p.is_file() and not any(p.is_relative_to(out) for out in skipped))
   digest = hashlib.sha256()
-  for path in sorted(p for p in root.rglob("*") if p.is_file()):
+  for path in sorted(inputs):
     stat = path.stat()
     digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0".encode())
     if stat.st_size <= _HASHED_BYTES:
@@ -77,7 +82,7 @@ def source_key(data_dir: str | None) -> str:
   return "local-" + digest.hexdigest()[:16]
 
 
-def prepare(name: str, tfds_dir: str, data_dir: str | None):
+def prepare(name: str, tfds_dir: str, data_dir: str | None, cache_dir: str = ""):
   """Builds (once) the array_record files of a dataset and returns its builder.
 
   Args:
@@ -85,9 +90,10 @@ def prepare(name: str, tfds_dir: str, data_dir: str | None):
     tfds_dir: where tfds keeps prepared datasets (one from a local data_dir goes under
       tfds_dir/local-DIGEST: see source_key).
     data_dir: local directory with the raw files, or None to download them.
+    cache_dir: where the token caches go, if not under tfds_dir (not part of the corpus).
   """
   spec = DATASETS[name]
-  key = source_key(data_dir or None)  # A local corpus: a directory of its own.
+  key = source_key(data_dir or None, (tfds_dir, cache_dir))  # A local corpus: its own directory.
   tfds_dir = tfds_dir if key == "download" else str(Path(tfds_dir) / key)
   if spec.builder is None:
     builder = tfds.builder(spec.tfds_name, data_dir=tfds_dir, file_format="array_record")
@@ -100,6 +106,17 @@ def prepare(name: str, tfds_dir: str, data_dir: str | None):
       manual_dir=str(Path(data_dir).resolve()) if data_dir else None)
   builder.download_and_prepare(download_config=download_config)
   return builder
+
+
+def tfds_dir_of(cfg) -> str:
+  """A DataConfig's tfds_dir (default ~/tensorflow_datasets)."""
+  return cfg.tfds_dir or os.path.expanduser("~/tensorflow_datasets")
+
+
+def prepare_config(cfg):
+  """prepare() for a DataConfig: its dataset, from its data_dir (or download), in its
+  tfds_dir."""
+  return prepare(cfg.dataset, tfds_dir_of(cfg), cfg.data_dir or None, cfg.cache_dir)
 
 
 class TextPairs:
