@@ -127,10 +127,19 @@ class DataConfig(_Section):
     check(self.concat_max >= 1, f"data.concat_max={self.concat_max} must be at least 1 (pairs)")
 
 
+FAMILIES = ("encoder_decoder", "decoder_only")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(_Section):
   """The Transformer's shape and numerics (the vocabularies come from the tokenizers)."""
   NAME = "model"
+  # "encoder_decoder": the paper's translation model; "decoder_only": a GPT-style language
+  # model of num_decoder_layers blocks of causal self-attention and FFN (num_encoder_layers=0).
+  family: str = "encoder_decoder"
+  # Positions added to the embeddings: "sinusoidal" (the paper's) or "learned" (a table of
+  # data.max_len rows; decoder_only models).
+  positions: str = "sinusoidal"
   d_model: int = 512
   num_heads: int = 8
   ffn_dim: int = 2048
@@ -157,7 +166,20 @@ class ModelConfig(_Section):
   embed_grad: str = "auto"
 
   def check(self):
-    self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers", "num_decoder_layers")
+    check(self.family in FAMILIES,
+          f"model.family={self.family!r} must be one of {', '.join(FAMILIES)}")
+    check(self.positions in ("sinusoidal", "learned"),
+          f"model.positions={self.positions!r} must be sinusoidal or learned")
+    if self.family == "decoder_only":
+      check(self.num_encoder_layers == 0, f"model.num_encoder_layers={self.num_encoder_layers} "
+            "is a translation field: a decoder_only model has num_decoder_layers blocks (set "
+            "model.num_encoder_layers=0)")
+      self._positive("d_model", "num_heads", "ffn_dim", "num_decoder_layers")
+    else:
+      check(self.positions == "sinusoidal", f"model.positions={self.positions!r} is for "
+            "model.family='decoder_only' (an encoder-decoder adds sinusoidal positions)")
+      self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers",
+                     "num_decoder_layers")
     check(self.d_model % self.num_heads == 0,
           f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
     check(self.d_model % 2 == 0, f"model.d_model={self.d_model} must be even (sinusoidal "
@@ -392,7 +414,8 @@ def names_this_projects_fields(saved: Mapping[str, Any]) -> bool:
 
 # Fields added after runs were saved, and the value a saved config without them was trained
 # with (a default may change; what an old run computed may not).
-_VALUE_BEFORE_FIELD = {("model", "layer_norm_eps"): 1e-6}
+_VALUE_BEFORE_FIELD = {("model", "layer_norm_eps"): 1e-6, ("model", "family"): "encoder_decoder",
+                       ("model", "positions"): "sinusoidal"}
 
 
 def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,

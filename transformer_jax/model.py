@@ -1,9 +1,11 @@
-"""The encoder-decoder Transformer of "Attention Is All You Need", as pure linen modules.
+"""The encoder-decoder Transformer of "Attention Is All You Need", and the decoder-only
+language model on the same blocks, as pure linen modules.
 
 The structure follows the d2l.ai chapter: token embeddings scaled by sqrt(d_model) plus fixed
 sinusoidal positions, encoder blocks (self-attention, Add&Norm, FFN, Add&Norm), decoder blocks
 (causal self-attention, Add&Norm, cross-attention, Add&Norm, FFN, Add&Norm) and a projection to
-the target vocabulary.
+the target vocabulary. The language model (`LanguageModel`, model.family="decoder_only") is the
+decoder without cross-attention: causal self-attention and FFN blocks, next-token logits.
 
 Masks come from segment ids: 0 marks padding, and tokens attend only within their own segment.
 An unpacked batch has segment id 1 on every real token, which is d2l's valid-length mask; a
@@ -63,7 +65,8 @@ class TransformerConfig(ModelConfig):
   vocabularies; variants come from `dataclasses.replace`."""
 
   src_vocab_size: int
-  tgt_vocab_size: int
+  tgt_vocab_size: int  # A language model's vocabulary.
+  max_len: int = 0  # Rows of the learned position table (positions="learned").
   attention_weights: bool = False  # Sow attention weights into "intermediates".
   # Run Pallas kernels (splash attention) in the interpreter: programs for a CPU (tests).
   interpret_kernels: bool = False
@@ -74,6 +77,13 @@ class TransformerConfig(ModelConfig):
       raise ValueError("model.share_embeddings needs equal source and target vocabularies")
     if self.attention_weights and self.scan_layers:
       raise ValueError("attention weights are sown per layer: use an unscanned model")
+    if self.positions == "learned" and self.max_len <= 0:
+      raise ValueError("learned positions need the model's max_len")
+
+  @property
+  def cross_attention(self) -> bool:
+    """Whether decoder blocks attend to a source (not in a decoder-only model)."""
+    return self.family != "decoder_only"
 
   @property
   def compute_dtype(self):
@@ -273,18 +283,21 @@ class DecoderBlock(nn.Module):
     cfg = self.cfg
     self.self_attention = MultiHeadAttention(cfg)
     self.self_attention_sublayer = Sublayer(cfg)
-    self.cross_attention = MultiHeadAttention(cfg)
-    self.cross_attention_sublayer = Sublayer(cfg)
+    if cfg.cross_attention:
+      self.cross_attention = MultiHeadAttention(cfg)
+      self.cross_attention_sublayer = Sublayer(cfg)
     self.ffn = FeedForward(cfg)
     self.ffn_sublayer = Sublayer(cfg)
 
   def _cross_and_ffn(self, y, cross_attend, deterministic):
-    y = self.cross_attention_sublayer(y, cross_attend, deterministic)
+    if self.cfg.cross_attention:
+      y = self.cross_attention_sublayer(y, cross_attend, deterministic)
     y = self.ffn_sublayer(y, lambda z: self.ffn(z, deterministic), deterministic)
     return nn.with_logical_constraint(y, ("batch", "length", "act_embed"))
 
   def __call__(self, y, memory, self_mask, cross_mask, deterministic: bool):
-    """Teacher-forced: y [B, T, D], memory [B, S, D] -> [B, T, D]."""
+    """Teacher-forced: y [B, T, D], memory [B, S, D] -> [B, T, D]. Without cross-attention
+    (a language model) memory and cross_mask are None."""
     y = self.self_attention_sublayer(
         y, lambda z: self.self_attention(z, z, self_mask), deterministic)
     return self._cross_and_ffn(
@@ -303,8 +316,8 @@ class DecoderBlock(nn.Module):
     cache: {"k", "v": [B*K, N, L, H]} this block's self-attention keys/values of the positions
     so far; cross: {"k", "v": [B, N, S, H]} its cross-attention keys/values, one per source (the
     K rows of a source attend to them as K query positions: nothing is tiled or reordered);
-    cross_mask: [B, 1, 1, S]. Keys and values lie head-major, as the attention contracts them
-    (`attend_heads`).
+    cross_mask: [B, 1, 1, S] (cross and cross_mask None without cross-attention). Keys and
+    values lie head-major, as the attention contracts them (`attend_heads`).
     """
     new = dict(cache)
 
@@ -373,8 +386,9 @@ class UnrolledDecoder(nn.Module):
     """y [B*K, 1, D] through every layer, each writing its position into its own cache."""
     keys, values = [], []
     for i, block in enumerate(self.blocks):
-      y, new = block.step(y, {"k": cache["k"][i], "v": cache["v"][i]},
-                          {"k": cross["k"][i], "v": cross["v"][i]}, index, cross_mask)
+      layer_cross = cross and {"k": cross["k"][i], "v": cross["v"][i]}
+      y, new = block.step(y, {"k": cache["k"][i], "v": cache["v"][i]}, layer_cross, index,
+                          cross_mask)
       keys.append(new["k"])
       values.append(new["v"])
     return y, {"k": tuple(keys), "v": tuple(values)}
@@ -470,7 +484,59 @@ class Embed(nn.Module):
                             sharding.data_parallel_size())
 
 
-class Transformer(nn.Module):
+def _final_norm(cfg: TransformerConfig, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(
+      epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name=name,
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+
+
+def _output_projection(cfg: TransformerConfig) -> nn.Dense:
+  return nn.Dense(cfg.tgt_vocab_size, dtype=cfg.compute_dtype,
+                  kernel_init=_init(("embed", "vocab")),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)))
+
+
+class _DecoderOutput:
+  """What both families' decoders share: the vocabulary projection (through the tied table,
+  `_output_table()`, or `output_proj`) and the preallocated decoding cache."""
+
+  def _logits(self, y):
+    """[B, T, D] -> [B, T, V] through the tied embedding or the output projection."""
+    if not self.cfg.tie_output:
+      return self.output_proj(y)
+    dt = self.cfg.compute_dtype
+    return tied_logits(y.astype(dt), self._output_table().astype(dt))
+
+  def output_weights(self):
+    """(kernel [D, V], bias [V] or None) of the vocabulary projection in the compute dtype:
+    the tied embedding transposed, or the output layer's parameters."""
+    dt = self.cfg.compute_dtype
+    if self.cfg.tie_output:
+      return self._output_table().astype(dt).T, None
+    params = self.output_proj.variables["params"]
+    return params["kernel"].astype(dt), params["bias"].astype(dt)
+
+  def project(self, y):
+    """Decoder features [B, T, D] -> logits [B, T, V] (float32)."""
+    logits = nn.with_logical_constraint(self._logits(y), ("batch", "length", "vocab"))
+    return logits.astype(jnp.float32)
+
+  def init_cache(self, rows: int, max_len: int):
+    """The decoding state of `rows` output rows for `max_len` steps: the index and preallocated
+    self-attention keys and values "k", "v", head-major as DecoderBlock.step reads them:
+    [rows, layers, N, max_len, H] for a scanned stack, else tuples of one [rows, N, max_len, H]
+    per layer."""
+    cfg = self.cfg
+    n, h, layers = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.num_decoder_layers
+    if cfg.scan_layers:
+      zeros = jnp.zeros((rows, layers, n, max_len, h), cfg.compute_dtype)
+    else:
+      zeros = (jnp.zeros((rows, n, max_len, h), cfg.compute_dtype),) * layers
+    return {"index": jnp.zeros((), jnp.int32), "k": zeros, "v": zeros}
+
+
+class Transformer(_DecoderOutput, nn.Module):
   """Encoder-decoder. Call with source tokens and shifted-right target tokens."""
   cfg: TransformerConfig
 
@@ -486,16 +552,11 @@ class Transformer(nn.Module):
       self.encoder_stack, self.decoder_stack = UnrolledEncoder(cfg), UnrolledDecoder(cfg)
       nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, ..., as before.
       nn.share_scope(self, self.decoder_stack)
-    norm = lambda name: nn.LayerNorm(
-        epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name=name,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
     if cfg.pre_ln:  # Pre-LN stacks end with a norm; post-LN blocks already end normalized.
-      self.encoder_norm, self.decoder_norm = norm("encoder_norm"), norm("decoder_norm")
+      self.encoder_norm = _final_norm(cfg, "encoder_norm")
+      self.decoder_norm = _final_norm(cfg, "decoder_norm")
     if not cfg.tie_output:
-      self.output_proj = nn.Dense(
-          cfg.tgt_vocab_size, dtype=cfg.compute_dtype, kernel_init=_init(("embed", "vocab")),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)))
+      self.output_proj = _output_projection(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
   def _inputs(self, embed, tokens, positions, deterministic):
@@ -507,21 +568,8 @@ class Transformer(nn.Module):
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     return self.dropout(x, deterministic=deterministic)
 
-  def _logits(self, y):
-    """[B, T, D] -> [B, T, V] through the tied embedding or the output projection."""
-    if not self.cfg.tie_output:
-      return self.output_proj(y)
-    dt = self.cfg.compute_dtype
-    return tied_logits(y.astype(dt), self.tgt_embed.embedding.astype(dt))
-
-  def output_weights(self):
-    """(kernel [D, V], bias [V] or None) of the vocabulary projection in the compute dtype:
-    the tied embedding transposed, or the output layer's parameters."""
-    dt = self.cfg.compute_dtype
-    if self.cfg.tie_output:
-      return self.tgt_embed.embedding.astype(dt).T, None
-    params = self.output_proj.variables["params"]
-    return params["kernel"].astype(dt), params["bias"].astype(dt)
+  def _output_table(self):
+    return self.tgt_embed.embedding
 
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
@@ -547,11 +595,6 @@ class Transformer(nn.Module):
     y = self.decoder_stack(y, memory, self_mask, cross_mask, deterministic)
     return self.decoder_norm(y) if self.cfg.pre_ln else y
 
-  def project(self, y):
-    """Decoder features [B, T, D] -> logits [B, T, V] (float32)."""
-    logits = nn.with_logical_constraint(self._logits(y), ("batch", "length", "vocab"))
-    return logits.astype(jnp.float32)
-
   def source_state(self, memory, src_segments):
     """What decoding keeps of a source, computed once and never reordered: the cross-attention
     keys and values of every layer and the source mask.
@@ -562,19 +605,6 @@ class Transformer(nn.Module):
     """
     cross_k, cross_v = self.decoder_stack.cross_kv(memory)
     return {"k": cross_k, "v": cross_v, "valid": src_segments > 0}
-
-  def init_cache(self, rows: int, max_len: int):
-    """The decoding state of `rows` output rows for `max_len` steps: the index and preallocated
-    self-attention keys and values "k", "v", head-major as DecoderBlock.step reads them:
-    [rows, layers, N, max_len, H] for a scanned stack, else tuples of one [rows, N, max_len, H]
-    per layer."""
-    cfg = self.cfg
-    n, h, layers = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.num_decoder_layers
-    if cfg.scan_layers:
-      zeros = jnp.zeros((rows, layers, n, max_len, h), cfg.compute_dtype)
-    else:
-      zeros = (jnp.zeros((rows, n, max_len, h), cfg.compute_dtype),) * layers
-    return {"index": jnp.zeros((), jnp.int32), "k": zeros, "v": zeros}
 
   def decode_step(self, tokens, cache, source):
     """tokens: [B*K, 1], the previous outputs (or <bos>) of K rows per source (beams; K = 1 for
@@ -610,6 +640,69 @@ class Transformer(nn.Module):
     memory = self.encode(src, src_segments, src_positions, deterministic)
     return self.decode_features(memory, tgt_in, src_segments, tgt_segments, tgt_positions,
                                 deterministic)
+
+
+class LanguageModel(_DecoderOutput, nn.Module):
+  """Decoder-only (GPT-style): tokens [B, T] -> next-token logits [B, T, V]. Packed rows hold
+  several documents (segment ids 1, 2, ...; positions restart at 0 in each), none attending to
+  another."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = Embed(cfg, cfg.tgt_vocab_size)
+    if cfg.positions == "learned":
+      self.position_embedding = self.param(
+          "position_embedding", nn.with_logical_partitioning(
+              nn.initializers.normal(cfg.d_model ** -0.5), (None, "embed")),
+          (cfg.max_len, cfg.d_model))
+    if cfg.scan_layers:
+      self.decoder_stack = ScannedDecoder(cfg)
+    else:
+      self.decoder_stack = UnrolledDecoder(cfg)
+      nn.share_scope(self, self.decoder_stack)  # Parameters decoder_0, decoder_1, ...
+    if cfg.pre_ln:
+      self.decoder_norm = _final_norm(cfg, "decoder_norm")
+    if not cfg.tie_output:
+      self.output_proj = _output_projection(cfg)
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+
+  def _output_table(self):
+    return self.embed.embedding
+
+  def _inputs(self, tokens, positions, deterministic):
+    """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + positions, then dropout."""
+    x = self.embed(tokens) * float(np.sqrt(self.cfg.d_model))
+    if self.cfg.positions == "learned":
+      x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
+    else:
+      x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    return self.dropout(x, deterministic=deterministic)
+
+  def features(self, tokens, segments=None, positions=None, deterministic=True):
+    """tokens: [B, T] int (0 = padding) -> [B, T, D] features before the vocabulary projection.
+    Segment ids default to `tokens != 0` and positions to 0..T-1."""
+    segments, positions = _default_segments(tokens, segments, positions)
+    mask = SegmentMask(segments, segments, causal=True)  # [B, 1, T, T] where made dense
+    y = self._inputs(tokens, positions, deterministic)
+    y = self.decoder_stack(y, None, mask, None, deterministic)
+    return self.decoder_norm(y) if self.cfg.pre_ln else y
+
+  def __call__(self, tokens, segments=None, positions=None, deterministic=True):
+    """tokens: [B, T] -> logits [B, T, V] (float32): position t predicts token t + 1."""
+    return self.project(self.features(tokens, segments, positions, deterministic))
+
+  def decode_step(self, tokens, cache, source=None):
+    """tokens: [B, 1], each row's token at cache["index"] -> (logits [B, V] float32 for the
+    next one, cache). `source` is unused (no cross-attention): decode.py's interface."""
+    index = cache["index"]
+    positions = jnp.broadcast_to(jnp.reshape(index, (-1, 1)), tokens.shape)
+    y = self._inputs(tokens, positions, True)
+    y, layers = self.decoder_stack.step(y, {"k": cache["k"], "v": cache["v"]}, None, index, None)
+    if self.cfg.pre_ln:
+      y = self.decoder_norm(y)
+    return self._logits(y)[:, 0].astype(jnp.float32), {"index": index + 1, **layers}
 
 
 def _default_segments(tokens, segments, positions):

@@ -1,0 +1,132 @@
+"""The decoder-only language model (model.family="decoder_only"): causal, packed documents kept
+apart, and cached decoding equal to the full forward pass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import config as config_lib
+from transformer_jax.config import ConfigError
+from transformer_jax.model import LanguageModel, TransformerConfig
+
+VOCAB, MAX_LEN = 64, 24
+VARIANTS = [dict(scan_layers=scan, pre_ln=pre, positions=positions)
+            for scan, pre, positions in [(False, False, "sinusoidal"), (True, True, "sinusoidal"),
+                                         (False, True, "learned"), (True, False, "learned")]]
+
+
+def _model(**fields) -> LanguageModel:
+  section = config_lib.ModelConfig(
+      family="decoder_only", num_encoder_layers=0, num_decoder_layers=2, d_model=32,
+      num_heads=4, ffn_dim=64, dropout_rate=0.0, **fields)
+  return LanguageModel(TransformerConfig(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB,
+                                         max_len=MAX_LEN, **dataclasses.asdict(section)))
+
+
+def _jit(lm):
+  """lm.apply, compiled once per method (op by op it takes minutes)."""
+  return jax.jit(lm.apply, static_argnames="method")
+
+
+def _init(lm, seed=0):
+  tokens = jnp.ones((1, MAX_LEN), jnp.int32)
+  return {"params": lm.init(jax.random.PRNGKey(seed), tokens)["params"]}
+
+
+def _tokens(shape, seed):
+  return jax.random.randint(jax.random.PRNGKey(seed), shape, 1, VOCAB)
+
+
+@pytest.mark.parametrize("fields", VARIANTS)
+def test_the_logits_at_t_do_not_change_when_later_tokens_change(fields):
+  lm = _model(**fields)
+  variables = _init(lm)
+  tokens = _tokens((2, 16), 1)
+  apply = _jit(lm)
+  logits = apply(variables, tokens)
+  for t in (0, 5, 14):
+    changed = tokens.at[:, t + 1:].set(_tokens((2, 15 - t), 2 + t))
+    assert not np.array_equal(changed, tokens)
+    other = apply(variables, changed)
+    np.testing.assert_allclose(other[:, :t + 1], logits[:, :t + 1], atol=1e-5, rtol=1e-5)
+    assert np.abs(other[:, t + 1:] - logits[:, t + 1:]).max() > 1e-3  # They do see earlier ones.
+
+
+@pytest.mark.parametrize("fields", VARIANTS)
+def test_a_packed_rows_logits_equal_each_document_alone(fields):
+  lm = _model(**fields)
+  variables = _init(lm)
+  docs = [_tokens((1, n), 10 + n)[0] for n in (5, 9, 4)]
+  row = jnp.concatenate(docs + [jnp.zeros(MAX_LEN - 18, jnp.int32)])[None]
+  segments = jnp.concatenate([jnp.full(len(d), i + 1) for i, d in enumerate(docs)]
+                             + [jnp.zeros(MAX_LEN - 18, jnp.int32)])[None]
+  positions = jnp.concatenate([jnp.arange(len(d)) for d in docs]
+                              + [jnp.zeros(MAX_LEN - 18, jnp.int32)])[None]
+  apply = _jit(lm)
+  packed = apply(variables, row, segments, positions)
+  start = 0
+  for doc in docs:
+    alone = apply(variables, jnp.pad(doc, (0, MAX_LEN - len(doc)))[None])
+    np.testing.assert_allclose(packed[0, start:start + len(doc)], alone[0, :len(doc)],
+                               atol=1e-5, rtol=1e-5)
+    start += len(doc)
+
+
+@pytest.mark.parametrize("fields", VARIANTS)
+def test_cached_greedy_decoding_equals_the_full_forward_passs_argmax(fields):
+  lm = _model(**fields)
+  variables = _init(lm, seed=3)
+  prompt = _tokens((3, 4), 4)
+  apply = _jit(lm)
+  cache = lm.apply(variables, 3, MAX_LEN, method="init_cache")
+  tokens, step_logits = [prompt[:, i] for i in range(4)], []
+  for t in range(MAX_LEN - 1):
+    logits, cache = apply(variables, tokens[t][:, None], cache, method="decode_step")
+    step_logits.append(logits)
+    if t >= 3:  # After the prompt: the greedy choice.
+      tokens.append(jnp.argmax(logits, -1))
+  sequence = jnp.stack(tokens, 1)  # [3, MAX_LEN]
+  full = apply(variables, sequence)
+  np.testing.assert_allclose(jnp.stack(step_logits, 1), full[:, :-1], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(jnp.argmax(full[:, 3:-1], -1), sequence[:, 4:])
+
+
+def test_rows_at_their_own_positions_decode_as_alone():
+  """A per-row index (decoding slots): each row's logits equal that row decoded by itself."""
+  lm = _model()
+  variables = _init(lm, seed=5)
+  tokens = _tokens((2, 6), 6)
+  apply = _jit(lm)
+  full = apply(variables, tokens)
+  cache = lm.apply(variables, 2, MAX_LEN, method="init_cache")
+  cache["index"] = jnp.zeros(2, jnp.int32)
+  # Row 0 runs two steps ahead of row 1: row 1 is fed a dummy token it then overwrites.
+  for t in range(2):
+    _, cache = apply(variables, tokens[:, t:t + 1], cache, method="decode_step")
+  cache["index"] = jnp.array([2, 0], jnp.int32)
+  for t in range(4):
+    feed = jnp.stack([tokens[0, 2 + t], tokens[1, t]])[:, None]
+    logits, cache = apply(variables, feed, cache, method="decode_step")
+    np.testing.assert_allclose(logits[0], full[0, 2 + t], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[1], full[1, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(family="decoder_only"), "model.num_encoder_layers=6 is a translation field"),
+    (dict(positions="learned"), "model.positions='learned' is for model.family='decoder_only'"),
+    (dict(family="gpt"), "model.family='gpt' must be one of encoder_decoder, decoder_only"),
+])
+def test_a_field_of_the_other_family_is_named(fields, message):
+  with pytest.raises(ConfigError, match=message) as e:
+    config_lib.parse({"model": fields})
+  assert "\n" not in str(e.value)
+
+
+def test_a_saved_config_without_the_family_reads_as_a_translation_model():
+  parsed = config_lib.parse({"model": {"d_model": 32, "num_heads": 4}}, saved=True)
+  assert (parsed.model.family, parsed.model.positions) == ("encoder_decoder", "sinusoidal")
