@@ -30,6 +30,19 @@ def test_model_flops_follows_the_documented_formula():
   assert packed < single
 
 
+def test_a_language_models_flops_have_no_cross_attention():
+  from transformer_jax import flops
+  cfg = TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=4, num_heads=1,
+                          ffn_dim=8, num_encoder_layers=0, num_decoder_layers=2,
+                          family="decoder_only")
+  # Two documents of 3 and 2 tokens: per layer QKVO + FFN and the causal half of the scores.
+  layer = (8 * 16 + 4 * 4 * 8) * 5 + 2 * 4 * (9 + 4)
+  output = 2 * 4 * 10 * 5
+  assert flops.model_flops(cfg, np.zeros(0), np.array([3, 2])) == 3 * (2 * layer + output)
+  batch = {"targets_segment_ids": np.array([[1, 1, 1, 2, 2, 0]])}
+  assert flops.batch_flops(cfg, batch) == 3 * (2 * layer + output)
+
+
 def test_load_config_applies_overrides_and_rejects_unknown_fields():
   config = common.load_config("configs/fra_eng.py", ["model.d_model=512", "data.batch_size=7",
                                                      "model.attention_impl=xla"])

@@ -130,3 +130,12 @@ def test_a_field_of_the_other_family_is_named(fields, message):
 def test_a_saved_config_without_the_family_reads_as_a_translation_model():
   parsed = config_lib.parse({"model": {"d_model": 32, "num_heads": 4}}, saved=True)
   assert (parsed.model.family, parsed.model.positions) == ("encoder_decoder", "sinusoidal")
+
+
+def test_training_a_language_model_is_refused_before_anything_is_written(smoke_config, tmp_path):
+  from transformer_jax import trainer
+  smoke_config.model.update(family="decoder_only", num_encoder_layers=0)
+  with pytest.raises(ConfigError, match="model.family='decoder_only': train, aot and translate "
+                     "take encoder_decoder models only"):
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

@@ -17,7 +17,8 @@ def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarr
   """Training FLOPs (forward + backward = 3 x forward) of one batch.
 
   src_lens, tgt_lens: [B] lengths attended over (one sentence a row; for packed rows pass the
-  per-sentence lengths of every sentence). Multiply-adds count 2 FLOPs.
+  per-sentence lengths of every sentence). A decoder-only model (no cross-attention) reads only
+  tgt_lens, its documents' lengths. Multiply-adds count 2 FLOPs.
   """
   d, f, v = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
   s, t = src_lens.astype(np.float64), tgt_lens.astype(np.float64)
@@ -25,10 +26,13 @@ def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarr
       (8 * d * d + 4 * d * f) * s.sum()  # Q, K, V, O projections and the FFN
       + 4 * d * (s * s).sum())  # scores and weighted values over all S keys
   dec = cfg.num_decoder_layers * (
-      (8 * d * d + 4 * d * d + 4 * d * f) * t.sum()  # self Q,K,V,O; cross Q,O; FFN
-      + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
-      + 2 * d * (t * t).sum()  # causal self-attention: half the T x T scores
-      + 4 * d * (t * s).sum())  # cross-attention scores and values
+      (8 * d * d + 4 * d * f) * t.sum()  # self-attention Q, K, V, O; FFN
+      + 2 * d * (t * t).sum())  # causal self-attention: half the T x T scores
+  if cfg.cross_attention:
+    dec += cfg.num_decoder_layers * (
+        4 * d * d * t.sum()  # cross-attention Q, O
+        + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
+        + 4 * d * (t * s).sum())  # cross-attention scores and values
   out = 2 * d * v * t.sum()  # vocabulary projection
   return 3.0 * (enc + dec + out)
 
@@ -44,9 +48,11 @@ def segment_lengths(segment_ids: np.ndarray) -> np.ndarray:
 
 
 def batch_flops(cfg: TransformerConfig, batch: dict[str, np.ndarray]) -> float:
-  """model_flops of a (packed or padded) batch of segment ids."""
-  return model_flops(cfg, segment_lengths(batch["inputs_segment_ids"]),
-                     segment_lengths(batch["targets_segment_ids"]))
+  """model_flops of a (packed or padded) batch of segment ids (a language model's batch has
+  only the target side)."""
+  sources = (segment_lengths(batch["inputs_segment_ids"]) if "inputs_segment_ids" in batch
+             else np.zeros(0))
+  return model_flops(cfg, sources, segment_lengths(batch["targets_segment_ids"]))
 
 
 def peak_flops(device_kind: str, given: float = 0.0) -> float | None:

@@ -22,6 +22,9 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   from transformer_jax.data.sources import DATASETS  # tfds loads here, not on import.
   config_lib.check(cfg.data.dataset in DATASETS, f"data.dataset={cfg.data.dataset!r} is "
                    f"unknown; choose one of {sorted(DATASETS)}")
+  # The decoder-only model (model.LanguageModel) has no text-corpus input path yet.
+  config_lib.check(cfg.model.family == "encoder_decoder", f"model.family={cfg.model.family!r}: "
+                   "train, aot and translate take encoder_decoder models only for now")
   return cfg
 
 
