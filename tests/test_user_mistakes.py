@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,34 @@ def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "20"]
+
+
+def test_a_ctrl_c_that_library_code_swallowed_still_stops_training(smoke_config, tmp_path,
+                                                                  monkeypatch):
+  """A KeyboardInterrupt raised where Python can only print it (a __del__, a callback from C)
+  or caught by library code is remembered: training does not start."""
+  from transformer_jax import errors, trainer
+  from transformer_jax.data import pipeline
+  prepare = pipeline.prepare
+
+  def swallowing(*args, **kwargs):
+    try:
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)  # The handler runs here.
+    except KeyboardInterrupt:
+      pass  # As code that catches everything does.
+    return prepare(*args, **kwargs)
+
+  monkeypatch.setattr(pipeline, "prepare", swallowing)
+  previous = signal.getsignal(signal.SIGINT)
+  errors.note_interrupts()
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    errors._interrupted.clear()
+  assert not (tmp_path / "w" / "checkpoints").exists()
 
 
 def test_a_workdir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):

@@ -13,8 +13,9 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from transformer_jax import (aot, config as config_lib, finetune, flops as flops_lib, fs,
-                             preemption as preemption_lib, sections, sharding, train_lib, writers)
+from transformer_jax import (aot, config as config_lib, errors, finetune, flops as flops_lib,
+                             fs, preemption as preemption_lib, sections, sharding, train_lib,
+                             writers)
 from transformer_jax.bleu_eval import BleuEval
 from transformer_jax.data import pipeline
 from transformer_jax.model import Transformer
@@ -41,6 +42,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
       data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, is_first_host=primary,
       wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"),
       tokenizer_from=source and source.path)
+  # A Ctrl-C that library code swallowed (one raised in a __del__ is only printed) still stops.
+  errors.raise_if_interrupted()
   workdir.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir",
                     run.compilation_cache_dir or str(run_dir.jax_cache))
@@ -103,6 +106,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   batches = pipeline.Prefetched(stream, to_devices)
   capacity = data_cfg.batch_size * data_cfg.max_len
   guard = train_lib.NonFiniteGuard(run.nonfinite, run.max_nonfinite_in_row)
+  errors.raise_if_interrupted()  # From here on a signal stops the loop with a checkpoint.
   preemption = preemption_lib.Preemption(multi_process=hosts > 1)
 
   def save(step):
