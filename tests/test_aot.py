@@ -32,12 +32,12 @@ def plugins():
   return directory
 
 
-def _aot(plugins, *args, json_path=None):
+def _aot(plugins, *args, json_path=None, config="configs/fra_eng.py:smoke"):
   env = dict(os.environ, **{aot.PLUGINS_ENV: str(plugins)})
   env.pop("JAX_PLATFORMS", None)  # The command sets its own.
   extra = ["--json", str(json_path)] if json_path else []
   result = subprocess.run([sys.executable, "-m", "transformer_jax", "aot",
-                           "--config", "configs/fra_eng.py:smoke", *args, *extra],
+                           "--config", config, *args, *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   report = json.loads(json_path.read_text()) if json_path and json_path.exists() else None
   return result, report
@@ -247,3 +247,29 @@ def test_a_saved_train_step_is_what_train_py_runs(tmp_path, cache_dir, fra_eng_b
       f"error: compiled_train_step {saved} holds another program than this run's train step "
       "(the config, mesh or code differ): compile it again for this config")
   assert not (tmp_path / "other" / "checkpoints").exists()
+
+
+# XLA's count of the TPU program: layers unrolled (a scanned stack's loop body is counted once),
+# XLA's attention (splash's kernels are not counted) and the scatter-add gradient (the one-hot
+# product's FLOPs are not in the formula).
+LM_FLOP_CHECK = ["--config.model.embed_grad=scatter", "--config.model.scan_layers=False",
+                 "--config.model.attention_impl=xla"]
+
+
+@pytest.mark.parametrize("topology, extra", [
+    ("v5e:2x4", LM_FLOP_CHECK), ("h100:8", ["--config.model.attention_impl=xla"])])
+def test_the_124m_language_model_compiles_with_the_formulas_flops(plugins, tmp_path, topology,
+                                                                   extra):
+  """configs/lm_gpt2_small.py whole (64 rows x 1,024 tokens, 12 layers, 50,304-piece
+  vocabulary): the train step fits, and on the TPU XLA's FLOP count is the decoder-only
+  formula's within 10%. XLA gives no count for a GPU target."""
+  result, report = _aot(plugins, "--topology", topology, "--programs", "train", *extra,
+                        config="configs/lm_gpt2_small.py", json_path=tmp_path / "lm.json")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert report["fits"] and (report["batch_size"], report["max_len"]) == (64, 1024)
+  assert report["vocab_size"] == 50_257
+  train = report["programs"]["train"]
+  params = report["params_bytes_per_device"] * report["mesh"]["fsdp"] * report["mesh"]["tensor"]
+  assert 120e6 < params / 4 < 130e6  # float32 parameters: GPT-2 small's 124M.
+  if topology.startswith("v5e"):
+    assert 0.9 <= train["xla_over_analytic"] <= 1.1, train

@@ -13,6 +13,7 @@ import pytest
 from transformer_jax import config as config_lib
 from transformer_jax.config import ConfigError
 from transformer_jax.model import LanguageModel, TransformerConfig
+from tests.conftest import DATA
 
 VOCAB, MAX_LEN = 64, 24
 VARIANTS = [dict(scan_layers=scan, pre_ln=pre, positions=positions)
@@ -132,10 +133,72 @@ def test_a_saved_config_without_the_family_reads_as_a_translation_model():
   assert (parsed.model.family, parsed.model.positions) == ("encoder_decoder", "sinusoidal")
 
 
-def test_training_a_language_model_is_refused_before_anything_is_written(smoke_config, tmp_path):
+def test_training_a_language_model_is_refused_before_anything_is_written(tmp_path):
+  from configs import lm_gpt2_small
   from transformer_jax import trainer
-  smoke_config.model.update(family="decoder_only", num_encoder_layers=0)
-  with pytest.raises(ConfigError, match="model.family='decoder_only': train, aot and translate "
-                     "take encoder_decoder models only"):
-    trainer.train_and_evaluate(smoke_config, str(tmp_path / "run"))
-  assert not (tmp_path / "run").exists()
+  config = lm_gpt2_small.get_config("smoke")
+  config.data.update(data_dir=str(DATA / "shakespeare"), tfds_dir=str(tmp_path / "tfds"))
+  with pytest.raises(ConfigError, match="model.family='decoder_only': train.py trains "
+                     "encoder_decoder models only"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists() and not (tmp_path / "tfds").exists()
+
+
+@pytest.mark.parametrize("family, dataset, message", [
+    ("decoder_only", "fra_eng", "data.dataset='fra_eng' holds sentence pairs, for "
+     "encoder_decoder models; model.family='decoder_only'"),
+    ("encoder_decoder", "shakespeare", "data.dataset='shakespeare' holds documents, for "
+     "decoder_only models; model.family='encoder_decoder'"),
+])
+def test_a_dataset_of_the_other_family_is_named(family, dataset, message):
+  from transformer_jax import sections
+  model = {"family": family, "num_encoder_layers": 0 if family == "decoder_only" else 6}
+  with pytest.raises(ConfigError, match=message):
+    sections.validated({"model": model, "data": {"dataset": dataset}})
+
+
+def test_documents_are_held_out_whole_by_name():
+  from transformer_jax.data import builders
+  names = [f"doc{i}.txt" for i in range(42)]
+  splits = builders.document_splits(names)
+  assert [len(splits[k]) for k in ("train", "validation", "test")] == [34, 4, 4]
+  assert sorted(sum(splits.values(), [])) == sorted(names)
+  assert builders.document_splits(names[::-1]) == splits  # Not the order given.
+  assert [len(v) for v in builders.document_splits(names[:2]).values()] == [1, 0, 1]
+
+
+def test_a_directory_of_text_files_reads_as_documents(tmp_path):
+  from transformer_jax.data import builders
+  (tmp_path / "a.txt").write_text("First document.\nIts second line.\n")
+  (tmp_path / "blank.txt").write_text("  \n")
+  (tmp_path / "b.lines.txt").write_text("one\n\ntwo\n")
+  (tmp_path / "notes.md").write_text("not a document")
+  assert builders.read_documents(tmp_path) == {
+      "a.txt": "First document.\nIts second line.\n", "b.lines.txt:1": "one",
+      "b.lines.txt:3": "two"}
+
+
+@pytest.mark.parametrize("files, message", [
+    ({}, "holds 0 non-blank documents: a language model's corpus needs at least 2"),
+    ({"only.txt": "one work"}, "holds 1 non-blank document: a language model's corpus"),
+    ({"a.txt": "x", "b.txt": b"caf\xe9"}, "b.txt is not UTF-8 text"),
+])
+def test_a_corpus_without_documents_to_hold_out_is_one_line(tmp_path, files, message):
+  from transformer_jax.data import builders
+  for name, text in files.items():
+    (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+  with pytest.raises(builders.DatasetError, match=message) as e:
+    builders.read_documents(tmp_path)
+  assert "\n" not in str(e.value)
+
+
+def test_the_shakespeare_corpus_prepares_by_work(tmp_path):
+  from transformer_jax.data import sources
+  builder = sources.prepare("shakespeare", str(tmp_path / "tfds"), str(DATA / "shakespeare"))
+  names = {split: [ex["name"].decode() for ex in builder.as_data_source(split=split)]
+           for split in ("train", "validation", "test")}
+  assert [len(names[k]) for k in ("train", "validation", "test")] == [34, 4, 4]
+  works = sorted(p.name for p in (DATA / "shakespeare").glob("*.txt"))
+  assert sorted(sum(names.values(), [])) == works
+  first = builder.as_data_source(split="validation")[0]
+  assert first["text"].decode() == (DATA / "shakespeare" / names["validation"][0]).read_text()

@@ -187,13 +187,14 @@ class Target:
     return list(topology.devices)
 
 
-def _abstract_batch(rows: int, max_len: int, mesh):
+def _abstract_batch(rows: int, max_len: int, mesh, documents: bool = False):
+  """A batch's shapes: sentence pairs, or a language model's documents (`documents`)."""
   import jax
   import jax.numpy as jnp
   from transformer_jax import sharding
-  from transformer_jax.data.packing import FEATURES
+  from transformer_jax.data.packing import FEATURES, LM_FEATURES
   spec = jax.ShapeDtypeStruct((rows, max_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
-  return {k: spec for k in FEATURES}
+  return {k: spec for k in (LM_FEATURES if documents else FEATURES)}
 
 
 def _per_device_bytes(tree) -> int:
@@ -327,8 +328,6 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   import numpy as np
   from transformer_jax import (config as config_lib, flops as flops_lib, sections, sharding,
                                train_lib)
-  from transformer_jax.model import Transformer
-
   cfg = sections.validated(config)
   data = cfg.data
   devices = target.devices()
@@ -337,14 +336,16 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   except config_lib.ConfigError as e:
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
   vocab = data.vocab_size
-  model_cfg = sections.model_config(cfg.model, vocab, vocab, platform=target.platform)
+  model_cfg = sections.model_config(cfg.model, vocab, vocab, platform=target.platform,
+                                    max_len=data.max_len)
+  documents = model_cfg.family == "decoder_only"
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu":
     raise AotError(
         f"cuDNN's fused attention (model.attention_impl={cfg.model.attention_impl!r}: "
         f"{model_cfg.dtype} on a GPU) cannot be compiled without a GPU: jax reads the device's "
         "compute capability while tracing it. Compile XLA's attention instead "
         "(--config.model.attention_impl=xla), which keeps the attention scores in memory")
-  model = Transformer(model_cfg)
+  model = sections.build_model(model_cfg)
   tx = train_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = train_lib.abstract_train_state(
       model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
@@ -369,9 +370,11 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   def lowered(name):
     with sharding.mesh_context(mesh):
       if name == "train":
-        return p_train.lower(state, _abstract_batch(data.batch_size, data.max_len, mesh))
+        return p_train.lower(state, _abstract_batch(data.batch_size, data.max_len, mesh,
+                                                    documents))
       if name == "eval":
-        return p_eval.lower(state, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh))
+        return p_eval.lower(state, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh,
+                                                   documents))
       return _decoder(model, state_shardings.params, mesh, data.max_len, beam_size).lower(
           state.params, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh)["inputs"])
 
@@ -380,6 +383,9 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
               "eval": flops_lib.model_flops(model_cfg, full(cfg.eval.batch_size),
                                             full(cfg.eval.batch_size)) / 3.0,
               "decode": None}  # Beam search's count depends on when beams finish.
+  if documents and "decode" in programs:  # `decode` is translate's encoder-decoder search.
+    programs = [p for p in programs if p != "decode"]
+    report["not_compiled"] = {"decode": "translate's decoder (encoder-decoder models only)"}
   for name in programs:
     progress(f"compiling {name} for {target.name} ...")
     start = time.perf_counter()
@@ -518,4 +524,6 @@ def format_report(report: dict) -> str:
                  f" + temps {_size(p['temp_size_in_bytes'])} = {_size(p['total_bytes'])}: "
                  f"{verdict}{flops}; collectives: {coll}; scatters into an embedding table: "
                  f"{p['embedding_scatters']}; compiled in {p['compile_seconds']} s")
+  for name, why in report.get("not_compiled", {}).items():
+    lines.append(f"  {name}: not compiled: {why}")
   return "\n".join(lines)

@@ -476,8 +476,11 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 vocab_size=min(c.data.vocab_size, 500), max_len=min(c.data.max_len, 32),
                 batch_size=16)
   c.eval.update(batch_size=64, bleu_sentences=64, every=10)
-  c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=2,
+  lm = c.model.family == "decoder_only"
+  c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=0 if lm else 2,
                  num_decoder_layers=2)
+  if lm:
+    c.eval.bleu_sentences = 0
   c.optimizer.warmup_steps = 5
   c.run.update(num_steps=20, log_every=5, checkpoint_every=10)
   return c

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 
 from transformer_jax import config as config_lib, embedding, sharding
-from transformer_jax.model import TransformerConfig, attention_impl
+from transformer_jax.model import LanguageModel, Transformer, TransformerConfig, attention_impl
 
 
 def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_lib.Config:
@@ -22,9 +22,12 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   from transformer_jax.data.sources import DATASETS  # tfds loads here, not on import.
   config_lib.check(cfg.data.dataset in DATASETS, f"data.dataset={cfg.data.dataset!r} is "
                    f"unknown; choose one of {sorted(DATASETS)}")
-  # The decoder-only model (model.LanguageModel) has no text-corpus input path yet.
-  config_lib.check(cfg.model.family == "encoder_decoder", f"model.family={cfg.model.family!r}: "
-                   "train, aot and translate take encoder_decoder models only for now")
+  documents = DATASETS[cfg.data.dataset].documents
+  config_lib.check(documents == (cfg.model.family == "decoder_only"),
+                   f"data.dataset={cfg.data.dataset!r} holds "
+                   f"{'documents, for' if documents else 'sentence pairs, for'} "
+                   f"{'decoder_only' if documents else 'encoder_decoder'} models; "
+                   f"model.family={cfg.model.family!r}")
   return cfg
 
 
@@ -57,10 +60,10 @@ def padded_vocab(size: int, multiple: int = 128) -> int:
 
 
 def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
-                 platform: str | None = None) -> TransformerConfig:
+                 platform: str | None = None, max_len: int = 0) -> TransformerConfig:
   """The frozen model config of the model section and the tokenizers' vocabularies (padded);
   `platform`: the one the program is compiled for (picks `auto`'s attention_impl and
-  embed_grad)."""
+  embed_grad); `max_len`: data.max_len (the rows of learned positions)."""
   fields = dataclasses.asdict(model)
   fields["embed_grad"] = embedding.grad_impl(model.embed_grad, platform)
   # Pallas kernels run natively on TPUs only.
@@ -68,4 +71,9 @@ def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
   fields["attention_impl"] = attention_impl(model.attention_impl, model.dtype,
                                             model.d_model // model.num_heads, platform)
   return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
-                           tgt_vocab_size=padded_vocab(tgt_vocab), **fields)
+                           tgt_vocab_size=padded_vocab(tgt_vocab), max_len=max_len, **fields)
+
+
+def build_model(cfg: TransformerConfig) -> Transformer | LanguageModel:
+  """The module of the config's family."""
+  return LanguageModel(cfg) if cfg.family == "decoder_only" else Transformer(cfg)

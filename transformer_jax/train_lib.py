@@ -59,10 +59,11 @@ def make_optimizer(cfg: OptimizerConfig, num_steps: int) -> optax.GradientTransf
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation, max_len: int, ema: bool):
   """rng -> a new TrainState, its parameters still boxed with their logical axis names."""
   dummy = jnp.ones((1, max_len), jnp.int32)
+  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
 
   def init(rng):
     params_rng, dropout_rng = jax.random.split(rng)
-    params = model.init(params_rng, dummy, dummy)["params"]
+    params = model.init(params_rng, *inputs)["params"]
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng,
                              ema_params=params if ema else None)
   return init
@@ -152,6 +153,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
 
 
 def _apply(apply_fn, params, batch: Batch, deterministic: bool, rngs=None, method=None):
+  if "inputs" not in batch:  # A language model's batch (packing.LM_FEATURES).
+    return apply_fn({"params": params}, batch["decoder_inputs"], batch["targets_segment_ids"],
+                    batch["targets_positions"], deterministic=deterministic, rngs=rngs,
+                    method=method)
   return apply_fn({"params": params}, batch["inputs"], batch["decoder_inputs"],
                   src_segments=batch["inputs_segment_ids"],
                   tgt_segments=batch["targets_segment_ids"],

@@ -27,6 +27,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`."""
   # Every check that can fail comes before anything is prepared, compiled or written.
   cfg = sections.validated(config)
+  # The decoder-only model has no document input path (packing, tokenizer) yet.
+  config_lib.check(cfg.model.family == "encoder_decoder", f"model.family={cfg.model.family!r}: "
+                   "train.py trains encoder_decoder models only for now (`aot` compiles both)")
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
   mesh = sections.checked_mesh(cfg)
   run_dir = Workdir(workdir)

