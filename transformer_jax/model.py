@@ -497,9 +497,22 @@ def _output_projection(cfg: TransformerConfig) -> nn.Dense:
                   bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)))
 
 
-class _DecoderOutput:
-  """What both families' decoders share: the vocabulary projection (through the tied table,
-  `_output_table()`, or `output_proj`) and the preallocated decoding cache."""
+class _Shared:
+  """What both families share: the embedded inputs, the vocabulary projection (through the
+  tied table, `_output_table()`, or `output_proj`) and the preallocated decoding cache."""
+
+  def _inputs(self, embed, tokens, positions, deterministic):
+    """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + positions (sinusoidal, or the learned
+    `position_embedding`), then dropout."""
+    # A Python float is weakly typed: x stays in the compute dtype (a NumPy float64 scalar
+    # would promote bfloat16 to float32, and a scanned stack's carry must keep one dtype).
+    x = embed(tokens) * float(np.sqrt(self.cfg.d_model))
+    if self.cfg.positions == "learned":
+      x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
+    else:
+      x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    return self.dropout(x, deterministic=deterministic)
 
   def _logits(self, y):
     """[B, T, D] -> [B, T, V] through the tied embedding or the output projection."""
@@ -536,7 +549,7 @@ class _DecoderOutput:
     return {"index": jnp.zeros((), jnp.int32), "k": zeros, "v": zeros}
 
 
-class Transformer(_DecoderOutput, nn.Module):
+class Transformer(_Shared, nn.Module):
   """Encoder-decoder. Call with source tokens and shifted-right target tokens."""
   cfg: TransformerConfig
 
@@ -558,15 +571,6 @@ class Transformer(_DecoderOutput, nn.Module):
     if not cfg.tie_output:
       self.output_proj = _output_projection(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
-
-  def _inputs(self, embed, tokens, positions, deterministic):
-    """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + sinusoid, then dropout."""
-    # A Python float is weakly typed: x stays in the compute dtype (a NumPy float64 scalar
-    # would promote bfloat16 to float32, and a scanned stack's carry must keep one dtype).
-    x = embed(tokens) * float(np.sqrt(self.cfg.d_model))
-    x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
-    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-    return self.dropout(x, deterministic=deterministic)
 
   def _output_table(self):
     return self.tgt_embed.embedding
@@ -642,7 +646,7 @@ class Transformer(_DecoderOutput, nn.Module):
                                 deterministic)
 
 
-class LanguageModel(_DecoderOutput, nn.Module):
+class LanguageModel(_Shared, nn.Module):
   """Decoder-only (GPT-style): tokens [B, T] -> next-token logits [B, T, V]. Packed rows hold
   several documents (segment ids 1, 2, ...; positions restart at 0 in each), none attending to
   another."""
@@ -670,22 +674,12 @@ class LanguageModel(_DecoderOutput, nn.Module):
   def _output_table(self):
     return self.embed.embedding
 
-  def _inputs(self, tokens, positions, deterministic):
-    """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + positions, then dropout."""
-    x = self.embed(tokens) * float(np.sqrt(self.cfg.d_model))
-    if self.cfg.positions == "learned":
-      x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
-    else:
-      x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
-    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-    return self.dropout(x, deterministic=deterministic)
-
   def features(self, tokens, segments=None, positions=None, deterministic=True):
     """tokens: [B, T] int (0 = padding) -> [B, T, D] features before the vocabulary projection.
     Segment ids default to `tokens != 0` and positions to 0..T-1."""
     segments, positions = _default_segments(tokens, segments, positions)
     mask = SegmentMask(segments, segments, causal=True)  # [B, 1, T, T] where made dense
-    y = self._inputs(tokens, positions, deterministic)
+    y = self._inputs(self.embed, tokens, positions, deterministic)
     y = self.decoder_stack(y, None, mask, None, deterministic)
     return self.decoder_norm(y) if self.cfg.pre_ln else y
 
@@ -698,7 +692,7 @@ class LanguageModel(_DecoderOutput, nn.Module):
     next one, cache). `source` is unused (no cross-attention): decode.py's interface."""
     index = cache["index"]
     positions = jnp.broadcast_to(jnp.reshape(index, (-1, 1)), tokens.shape)
-    y = self._inputs(tokens, positions, True)
+    y = self._inputs(self.embed, tokens, positions, True)
     y, layers = self.decoder_stack.step(y, {"k": cache["k"], "v": cache["v"]}, None, index, None)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)

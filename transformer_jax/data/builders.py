@@ -301,4 +301,5 @@ class TextDocuments(tfds.core.GeneratorBasedBuilder):
 def _check_sha256(path: Path, expected: str, url: str) -> None:
   digest = hashlib.sha256(path.read_bytes()).hexdigest()
   if digest != expected:
-    raise DatasetError(f"{url} downloaded with sha256 {digest}, not the expected {expected}")
+    raise DatasetError(f"{url} downloaded as {path} with sha256 {digest}, not the expected "
+                       f"{expected}: delete that file to download it again")
