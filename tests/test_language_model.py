@@ -133,17 +133,6 @@ def test_a_saved_config_without_the_family_reads_as_a_translation_model():
   assert (parsed.model.family, parsed.model.positions) == ("encoder_decoder", "sinusoidal")
 
 
-def test_training_a_language_model_is_refused_before_anything_is_written(tmp_path):
-  from configs import lm_gpt2_small
-  from transformer_jax import trainer
-  config = lm_gpt2_small.get_config("smoke")
-  config.data.update(data_dir=str(DATA / "shakespeare"), tfds_dir=str(tmp_path / "tfds"))
-  with pytest.raises(ConfigError, match="model.family='decoder_only': train.py trains "
-                     "encoder_decoder models only"):
-    trainer.train_and_evaluate(config, str(tmp_path / "run"))
-  assert not (tmp_path / "run").exists() and not (tmp_path / "tfds").exists()
-
-
 @pytest.mark.parametrize("family, dataset, message", [
     ("decoder_only", "fra_eng", "data.dataset='fra_eng' holds sentence pairs, for "
      "encoder_decoder models; model.family='decoder_only'"),

@@ -2,6 +2,7 @@
 
   train       train a config in a workdir, resuming from its latest checkpoint (as train.py)
   translate   translate sentences, a file or a split with a trained workdir; sacreBLEU
+  generate    continue text prompts with a trained language model (greedy or sampled)
   average     a new workdir with the mean parameters of a workdir's last checkpoints
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = ("train", "translate", "average", "visualize", "aot", "export", "serve", "download")
+COMMANDS = ("train", "translate", "generate", "average", "visualize", "aot", "export", "serve", "download")
 
 
 def main() -> None:

@@ -358,6 +358,14 @@ class Config:
           f"step.loss_chunks={step.loss_chunks} must divide data.max_len={data.max_len}")
     check(not self.model.share_embeddings or data.tokenizer == "sentencepiece",
           "model.share_embeddings needs the joint sentencepiece tokenizer (data.tokenizer)")
+    if self.model.family == "decoder_only":  # Translation fields a language model cannot use.
+      for field, value, ok, why in (
+          ("eval.bleu_sentences", self.eval.bleu_sentences, 0, "BLEU scores translations"),
+          ("data.concat_prob", data.concat_prob, 0.0, "it joins sentence pairs"),
+          ("data.tokenizer", data.tokenizer, "sentencepiece", "documents take a lossless "
+           "SentencePiece")):
+        check(value == ok, f"{field}={value!r} is a translation field ({why}): set it to "
+              f"{ok!r} for model.family='decoder_only'")
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)
@@ -477,6 +485,9 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 batch_size=16)
   c.eval.update(batch_size=64, bleu_sentences=64, every=10)
   lm = c.model.family == "decoder_only"
+  if lm:  # A corpus of a few dozen documents: all of them; the tokenizer fitted on a sample.
+    c.data.update(train_split="train", eval_split="validation",
+                  tokenizer_sample=min(c.data.tokenizer_sample, 20_000))
   c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=0 if lm else 2,
                  num_decoder_layers=2)
   if lm:

@@ -1,5 +1,6 @@
 """Generation glue between the model and decode.py: encode the source once into a cache,
-then decode greedily, by sampling or by beam search; source sentences to padded id arrays."""
+then decode greedily, by sampling or by beam search; source sentences to padded id arrays.
+A language model continues prompts (`continue_prompts`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax import lax
 
 from transformer_jax import decode, slots
 from transformer_jax.errors import UserError
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
-from transformer_jax.model import Transformer
+from transformer_jax.model import LanguageModel, Transformer
 
 SPECIALS = decode.Specials(bos=BOS, eos=EOS, pad=PAD)
 
@@ -171,3 +173,50 @@ def encode_sources(tokenizer, sentences: list[str], max_src_len: int,
 def strip(tokens) -> list[int]:
   """A row of output ids up to (not including) <eos>."""
   return decode.strip(tokens, SPECIALS)
+
+
+def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: int,
+                     max_new: int, sampler=decode.Greedy(), rng=None):
+  """A language model's continuations of prompts, in one `lax.while_loop` over a preallocated
+  cache of `total_len` positions.
+
+  Args:
+    prompts: [B, P] ids, each row <bos> + a prompt's tokens, then padding (P <= total_len).
+    lengths: [B] each row's prompt length with <bos> (at least 1).
+    total_len: the cache's positions (the model's max_len at most: learned positions).
+    max_new: tokens to generate at most per row; a row also stops at <eos> or at total_len.
+  Returns:
+    tokens [B, max_new]: each row's continuation, <pad> after its <eos> or its end.
+
+  All rows step together from position 0: row r reads its prompt while t < lengths[r] and
+  feeds back what it sampled after that. Row r's i-th new token draws with the key
+  decode.row_keys(rng, r, i): a prompt continues alike in any batch.
+  """
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  b = prompts.shape[0]
+  rows = jnp.arange(b)
+  cache = model.apply({"params": params}, b, total_len, method=LanguageModel.init_cache)
+  steps = jnp.minimum(jnp.max(lengths) - 1 + max_new, total_len)
+
+  def cond(state):
+    t, _, _, done, _ = state
+    return (t < steps) & ~jnp.all(done)
+
+  def body(state):
+    t, cache, last, done, out = state
+    reading = t < lengths  # [B]
+    prompt_t = lax.dynamic_index_in_dim(prompts, jnp.minimum(t, prompts.shape[1] - 1), 1, False)
+    token_in = jnp.where(reading, prompt_t, last)  # [B]
+    logits, cache = model.apply({"params": params}, token_in[:, None], cache,
+                                method=LanguageModel.decode_step)  # [B, V]
+    new = t - (lengths - 1)  # [B] the index of the token this step makes, < 0 while reading
+    writing = (new >= 0) & (new < max_new) & ~done
+    token = sampler(logits, decode.row_keys(rng, rows, jnp.maximum(new, 0))).astype(jnp.int32)
+    out = out.at[rows, jnp.clip(new, 0, max_new - 1)].set(
+        jnp.where(writing, token, out[rows, jnp.clip(new, 0, max_new - 1)]))
+    done = done | (writing & ((token == EOS) | (new == max_new - 1)))
+    return t + 1, cache, token, done, out
+
+  state = (jnp.array(0), cache, jnp.full((b,), BOS, jnp.int32), jnp.zeros((b,), bool),
+           jnp.full((b, max_new), PAD, jnp.int32))
+  return lax.while_loop(cond, body, state)[4]

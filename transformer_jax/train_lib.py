@@ -387,9 +387,16 @@ def jit_steps(state_shardings, mesh: Mesh, cfg: StepConfig):
   return p_train, p_eval
 
 
-def summarize_eval(sums: list[dict[str, Any]]) -> dict[str, float]:
-  """Per-token loss (plain cross-entropy), accuracy and perplexity from eval_step sums."""
+def summarize_eval(sums: list[dict[str, Any]],
+                   per_char: dict[str, float] | None = None) -> dict[str, float]:
+  """Per-token loss (plain cross-entropy), accuracy and perplexity from eval_step sums; with
+  `per_char` ({"characters", "unigram_bits"} of the evaluated text) also the loss in bits per
+  character, and a unigram model's beside it."""
   total = {k: float(np.sum([s[k] for s in sums])) for k in sums[0]}
   loss = total["nll_sum"] / max(total["tokens"], 1.0)
-  return {"loss": loss, "accuracy": total["correct"] / max(total["tokens"], 1.0),
-          "perplexity": float(np.exp(min(loss, 50.0)))}
+  result = {"loss": loss, "accuracy": total["correct"] / max(total["tokens"], 1.0),
+            "perplexity": float(np.exp(min(loss, 50.0)))}
+  if per_char:
+    result["bits_per_char"] = total["nll_sum"] / np.log(2) / per_char["characters"]
+    result["unigram_bits_per_char"] = per_char["unigram_bits"] / per_char["characters"]
+  return result

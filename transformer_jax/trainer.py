@@ -17,8 +17,7 @@ from transformer_jax import (aot, config as config_lib, errors, finetune, flops 
                              fs, preemption as preemption_lib, sections, sharding, train_lib,
                              writers)
 from transformer_jax.bleu_eval import BleuEval
-from transformer_jax.data import pipeline
-from transformer_jax.model import Transformer
+from transformer_jax.data import documents, pipeline
 from transformer_jax.workdir import Workdir
 
 
@@ -27,10 +26,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`."""
   # Every check that can fail comes before anything is prepared, compiled or written.
   cfg = sections.validated(config)
-  # The decoder-only model has no document input path (packing, tokenizer) yet.
-  config_lib.check(cfg.model.family == "encoder_decoder", f"model.family={cfg.model.family!r}: "
-                   "train.py trains encoder_decoder models only for now (`aot` compiles both)")
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
+  lm = cfg.model.family == "decoder_only"  # A language model: documents, not sentence pairs.
   mesh = sections.checked_mesh(cfg)
   run_dir = Workdir(workdir)
   run_dir.check_resumable(cfg)
@@ -41,17 +38,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
             if run.init_from and not run_dir.checkpoint_steps() else None)
   primary, hosts = jax.process_index() == 0, jax.process_count()
 
-  data = pipeline.prepare(
-      data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, is_first_host=primary,
-      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"),
-      tokenizer_from=source and source.path)
+  first_host = dict(
+      is_first_host=primary, tokenizer_from=source and source.path,
+      wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
+  data = (pipeline.prepare_documents(data_cfg, workdir, **first_host) if lm else
+          pipeline.prepare(data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, **first_host))
   # A Ctrl-C that library code swallowed (one raised in a __del__ is only printed) still stops.
   errors.raise_if_interrupted()
   workdir.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir",
                     run.compilation_cache_dir or str(run_dir.jax_cache))
-  model = Transformer(sections.model_config(cfg.model, data.tokenizers.src.vocab_size,
-                                            data.tokenizers.tgt.vocab_size))
+  model = sections.build_model(sections.model_config(
+      cfg.model, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size,
+      max_len=data_cfg.max_len))
   state, state_shardings = train_lib.create_train_state(
       model, train_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
       data_cfg.max_len, ema=cfg.step.ema_decay > 0)
@@ -65,14 +64,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
       overlong=data_cfg.overlong, seed=run.seed, pack=data_cfg.packing,
       num_workers=pipeline.resolve_workers(data_cfg.num_workers),
       process_index=jax.process_index(), process_count=hosts, concat_prob=data_cfg.concat_prob,
-      concat_max=data_cfg.concat_max)
-  pipeline.log_selection(data_cfg.train_split, stream.selection, data_cfg.max_len)
-  eval_data = pipeline.eval_batches(
-      data.eval, batch_size=ev.batch_size, max_len=data_cfg.max_len,
-      overlong=data_cfg.overlong, pack=data_cfg.packing, process_index=jax.process_index(),
-      process_count=hosts)
+      concat_max=data_cfg.concat_max, documents=lm)
+  rows = dict(batch_size=ev.batch_size, max_len=data_cfg.max_len, pack=data_cfg.packing,
+              process_index=jax.process_index(), process_count=hosts)
+  if lm:
+    documents.log_documents(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len)
+    eval_data = documents.eval_batches(data.eval, **rows)
+  else:
+    pipeline.log_selection(data_cfg.train_split, stream.selection, data_cfg.max_len)
+    eval_data = pipeline.eval_batches(data.eval, overlong=data_cfg.overlong, **rows)
   if ev.num_batches > 0:
     eval_data = eval_data[:ev.num_batches]
+  per_char = lm and _per_character(data, eval_data, hosts)
 
   ckpt = run_dir.checkpointer(run.checkpoint_every, run.keep_checkpoints)
   restored = ckpt.restore_latest(state, state_shardings)
@@ -146,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
         if step % ev.every == 0 or step == run.num_steps:
           eval_start = time.perf_counter()
           result = train_lib.summarize_eval(
-              [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data])
+              [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data], per_char)
           if bleu_eval:
             result["bleu"], examples = bleu_eval(state.eval_params())
             writer.write_texts(step, {"eval/examples": "\n".join(examples)})
@@ -166,3 +169,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
     ckpt.close()
     preemption.restore()
   return state
+
+
+def _per_character(data: pipeline.Prepared, eval_data: list, hosts: int) -> dict[str, float]:
+  """What a language model's evaluation divides by: the characters its eval batches stand for
+  (all hosts' rows), and the bits a unigram model of the training tokens spends on them."""
+  chars = documents.characters(eval_data, data.tokenizers.tgt)
+  bits = documents.unigram_bits(data.train, eval_data, data.tokenizers.tgt.vocab_size)
+  if hosts > 1:
+    chars, bits = (float(np.sum(multihost_utils.process_allgather(np.float64(x))))
+                   for x in (chars, bits))
+  logging.info("Evaluation: %d characters of held-out documents; a unigram model of the "
+               "training tokens spends %.3f bits a character on them", chars, bits / chars)
+  return {"characters": chars, "unigram_bits": bits}

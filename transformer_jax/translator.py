@@ -168,6 +168,7 @@ def _restore(workdir, step: int | None, ema: bool):
   """(config, tokenizers, model, step, params, uses_ema) of one workdir: its parameters (not
   the optimizer state) onto this machine's devices."""
   run = Workdir(workdir)
+  run.check_family("encoder_decoder", "translate")
   config, tokenizers, model = run.open()
   uses_ema = ema and config.step.ema_decay > 0
   key = "ema_params" if uses_ema else "params"

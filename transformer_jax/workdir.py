@@ -26,7 +26,7 @@ from absl import logging
 from transformer_jax import checkpoint, config as config_lib, errors, sections
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.errors import UserError
-from transformer_jax.model import Transformer
+from transformer_jax.model import LanguageModel, Transformer
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -44,7 +44,7 @@ class Opened(NamedTuple):
   """What decoding or averaging needs of a workdir, read and checked."""
   config: config_lib.Config
   tokenizers: Tokenizers
-  model: Transformer
+  model: Transformer | LanguageModel
 
 
 class Workdir:
@@ -151,12 +151,22 @@ class Workdir:
       raise WorkdirError(f"{self.path} holds no tokenizer (tokenizer.model or vocab.json)")
     return tokenizers
 
+  def check_family(self, family: str, command: str) -> None:
+    """A one-line WorkdirError where the run's model is not of `family` (`command` needs it)."""
+    saved = self.load_config().model.family
+    if saved != family:
+      kind = {"encoder_decoder": "translation model", "decoder_only": "language model"}
+      use = "generate" if saved == "decoder_only" else "translate"
+      raise WorkdirError(f"{self.path} holds a {kind[saved]} (model.family={saved!r}): "
+                         f"`{command}` needs a {kind[family]}; use `{use}`")
+
   def open(self) -> Opened:
     """The run's config, tokenizers and model (no parameters: see `checkpointer`)."""
     config = self.load_config()
     tokenizers = self.tokenizers()
-    model = Transformer(sections.model_config(config.model, tokenizers.src.vocab_size,
-                                              tokenizers.tgt.vocab_size))
+    model = sections.build_model(sections.model_config(
+        config.model, tokenizers.src.vocab_size, tokenizers.tgt.vocab_size,
+        max_len=config.data.max_len))
     return Opened(config, tokenizers, model)
 
   def checkpointer(self, save_every: int = 1, keep: int = 1,
@@ -167,13 +177,14 @@ class Workdir:
     return checkpoint.Checkpointer(self.checkpoints, save_every, keep, read_only=read_only,
                                    tokenizer_digest=tokenizers and tokenizers.digest())
 
-  def read_params(self, model: Transformer, mesh, key: str = "params",
+  def read_params(self, model: Transformer | LanguageModel, mesh, key: str = "params",
                   step: int | None = None) -> tuple[int, object]:
     """(step, parameters) of a checkpoint, sharded over `mesh` by their logical names: `step`'s,
     or the newest that reads back and verifies. `key`: "params" or "ema_params"."""
     dummy = jnp.ones((1, 2), jnp.int32)
+    inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
     # Still boxed: the checkpointer turns the logical names into shardings.
-    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)["params"]
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"]
     ckpt = self.checkpointer(read_only=True)
     try:
       if step is None:

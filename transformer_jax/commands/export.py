@@ -16,6 +16,7 @@ from absl import app, flags  # noqa: E402
 
 from transformer_jax import errors, launch  # noqa: E402
 from transformer_jax.export import FORMATS, ExportError, export  # noqa: E402
+from transformer_jax.workdir import Workdir  # noqa: E402
 
 
 def define_flags() -> None:
@@ -41,6 +42,7 @@ def main(argv):
       raise ExportError("--workdir and --to are required")
     if FLAGS.beam_size is not None and FLAGS.beam_size < 1:
       raise ExportError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
+    Workdir(FLAGS.workdir).check_family("encoder_decoder", "export")
     out = export(FLAGS.workdir, FLAGS.to, argv[1], step=FLAGS.step,
                  quantization=FLAGS.quantization, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha)
   print(f"Exported {FLAGS.workdir} to {out} ({FLAGS.to})")

@@ -133,9 +133,11 @@ def main(argv):
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'transformer_jax[serve]'") from None
-    listening = _listen(FLAGS.host, FLAGS.port)
     from transformer_jax.translator import Translator
     from transformer_jax.workdir import Workdir
+    for workdir in FLAGS.workdir:  # The server answers translation requests only.
+      Workdir(workdir).check_family("encoder_decoder", "serve")
+    listening = _listen(FLAGS.host, FLAGS.port)
 
     config = Workdir(FLAGS.workdir[0]).load_config()
     launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)

@@ -132,6 +132,8 @@ def main(argv):
   with errors.reported():
     if not FLAGS.workdir:
       raise InferenceError("--workdir is required")
+    for workdir in FLAGS.workdir:
+      Workdir(workdir).check_family("encoder_decoder", "translate")
     if sum(map(bool, (sentences, FLAGS.input, FLAGS.split))) != 1:
       raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
     if FLAGS.split_from and not FLAGS.split:

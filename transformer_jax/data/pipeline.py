@@ -7,6 +7,8 @@ processes; its position is two integers of the global stream (block, batch), the
 host, so a checkpoint resumes on any number of hosts or workers. `eval_batches` packs the
 evaluation split the same way, each pair once. Every batch has the fixed shape [rows, max_len] and
 carries `*_segment_ids` (0 = padding) and `*_positions` (see `packing`), so steps compile once.
+A language model's corpus of documents takes `prepare_documents`, `TrainStream(documents=True)`
+and `documents.eval_batches` (see `documents`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.config import DataConfig
-from transformer_jax.data import packing, token_cache, workers
+from transformer_jax.data import documents, packing, token_cache, workers
+from transformer_jax.data.documents import DocumentBlocks
 from transformer_jax.data.packing import FEATURES
 from transformer_jax.data.tokenizer import SPM_FILE, WORD_FILE, Tokenizers, train_tokenizers
 
@@ -56,11 +59,12 @@ def _split_dir(split: str) -> str:
   return re.sub(r"[^\w.-]+", "_", split) + "-" + hashlib.sha1(split.encode()).hexdigest()[:6]
 
 
-def tokenizers_for(cfg: DataConfig, text, workdir: Path,
-                   tokenizer_from: Path | None = None) -> Tokenizers:
+def tokenizers_for(cfg: DataConfig, text, workdir: Path, tokenizer_from: Path | None = None,
+                   fit=None) -> Tokenizers:
   """The workdir's tokenizers; else those of `tokenizer_from` (the run a fine-tuning run starts
-  from), copied in; else the dataset cache's (copied in); else fitted on a sample of at most
-  `tokenizer_sample` training pairs spread evenly over the split, and saved in both."""
+  from), copied in; else the dataset cache's (copied in); else fitted (`fit(cfg, text)`; by
+  default on a sample of at most `tokenizer_sample` training pairs spread evenly over the
+  split), and saved in both."""
   tokenizers = Tokenizers.load(workdir)
   if tokenizers is not None:
     logging.info("Reusing the tokenizer saved in %s", workdir)
@@ -71,27 +75,32 @@ def tokenizers_for(cfg: DataConfig, text, workdir: Path,
     tokenizers.save(workdir)
     return tokenizers
   # Keyed by what it is fitted on: the source (cache_root), the split, the sample, the kind.
-  shared = cache_root(cfg) / (f"tokenizer-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
+  kind = cfg.tokenizer if fit is None else f"{cfg.tokenizer}-{fit.__name__}"
+  shared = cache_root(cfg) / (f"tokenizer-{kind}-{cfg.vocab_size}-{cfg.tokenizer_sample}"
                              f"-{_split_dir(cfg.train_split)}")
   tokenizers = Tokenizers.load(shared)
   if tokenizers is None:
-    n = len(text)
-    indices = (np.arange(n) if n <= cfg.tokenizer_sample
-               else np.linspace(0, n - 1, cfg.tokenizer_sample).astype(np.int64))
-    src, tgt = [], []
-    for start in range(0, len(indices), 10_000):
-      s, t = text.read(indices[start:start + 10_000])
-      src += s
-      tgt += t
-    logging.info("Fitting a %s tokenizer on %d of %d training pairs", cfg.tokenizer,
-                 len(indices), n)
-    tokenizers = train_tokenizers(list(zip(src, tgt)), cfg.tokenizer, cfg.vocab_size)
+    tokenizers = (fit or _fit_on_pairs)(cfg, text)
     shared.mkdir(parents=True, exist_ok=True)
     tokenizers.save(shared)
   else:
     logging.info("Reusing the tokenizer saved in %s", shared)
   tokenizers.save(workdir)
   return tokenizers
+
+
+def _fit_on_pairs(cfg: DataConfig, text) -> Tokenizers:
+  n = len(text)
+  indices = (np.arange(n) if n <= cfg.tokenizer_sample
+             else np.linspace(0, n - 1, cfg.tokenizer_sample).astype(np.int64))
+  src, tgt = [], []
+  for start in range(0, len(indices), 10_000):
+    s, t = text.read(indices[start:start + 10_000])
+    src += s
+    tgt += t
+  logging.info("Fitting a %s tokenizer on %d of %d training pairs", cfg.tokenizer,
+               len(indices), n)
+  return train_tokenizers(list(zip(src, tgt)), cfg.tokenizer, cfg.vocab_size)
 
 
 def _tokenizer_files(workdir: Path) -> list[Path]:
@@ -138,6 +147,39 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
   return Prepared(tokenizers, caches[cfg.train_split], caches[cfg.eval_split], bleu_pairs)
 
 
+def prepare_documents(cfg: DataConfig, workdir: str | Path, *, is_first_host: bool = True,
+                      wait_for_first_host=lambda: None,
+                      tokenizer_from: Path | None = None) -> Prepared:
+  """`prepare` for a corpus of documents: the dataset, a lossless SentencePiece fitted
+  on the training documents' lines, and a token cache of each split (one record a document)."""
+  from transformer_jax.data import sources  # tfds loads here, not on import.
+  workdir = Path(workdir)
+
+  def load(build: bool):
+    builder = sources.prepare_config(cfg)
+    texts = {split: sources.TextPairs(builder, cfg.dataset, split)
+             for split in (cfg.train_split, cfg.eval_split)}
+    tokenizers = (tokenizers_for(cfg, texts[cfg.train_split], workdir, tokenizer_from,
+                                          fit=documents.fit_tokenizer) if build
+                  else Tokenizers.load(workdir))
+    fp = token_cache.fingerprint(_tokenizer_files(workdir))
+    caches = {}
+    for split, text in texts.items():
+      directory = cache_root(cfg) / fp / _split_dir(split)
+      caches[split] = (token_cache.build(directory, text, (tokenizers.tgt,), fp,
+                                         resolve_workers(cfg.num_workers),
+                                         sides=token_cache.DOCUMENT_SIDES)
+                       if build else token_cache.TokenCache(directory))
+    return tokenizers, caches
+
+  if is_first_host:
+    tokenizers, caches = load(build=True)
+  wait_for_first_host()
+  if not is_first_host:
+    tokenizers, caches = load(build=False)
+  return Prepared(tokenizers, caches[cfg.train_split], caches[cfg.eval_split], [])
+
+
 def log_selection(split: str, sel: packing.Selection, max_len: int) -> None:
   logging.info("%s: %d of %d pairs kept; %d dropped (empty or over %d tokens), %d truncated",
                split, len(sel.ids), sel.total, sel.dropped, max_len, sel.truncated)
@@ -146,8 +188,9 @@ def log_selection(split: str, sel: packing.Selection, max_len: int) -> None:
 class TrainStream:
   """Endless training batches (this host's rows of each global batch) from a token cache.
 
-  Blocks of pairs are planned and filled by `packing.TrainBlocks` in `num_workers` grain
-  worker processes (0: a thread of this process) and handed out batch by batch here. The
+  Blocks of pairs are planned and filled by `packing.TrainBlocks` (of documents' chunks, by
+  `documents.DocumentBlocks`, where `documents`) in `num_workers` grain worker processes
+  (0: a thread of this process) and handed out batch by batch here. The
   position `get_state()` is {"block", "batch"}: the next batch is batch `batch` of global
   block `block`. It is host- and worker-independent, so any run can resume it.
   """
@@ -155,14 +198,18 @@ class TrainStream:
   def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
                overlong: str, seed: int, pack: bool = True, num_workers: int = 0,
                process_index: int = 0, process_count: int = 1, concat_prob: float = 0.0,
-               concat_max: int = 1):
+               concat_max: int = 1, documents: bool = False):
     if batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
     local = batch_size // process_count
-    self.blocks = packing.TrainBlocks(
-        cache, rows=batch_size, row_start=process_index * local,
-        row_stop=(process_index + 1) * local, max_len=max_len, overlong=overlong, seed=seed,
-        packing=pack, concat_prob=concat_prob, concat_max=concat_max)
+    rows = dict(rows=batch_size, row_start=process_index * local,
+                row_stop=(process_index + 1) * local, max_len=max_len, seed=seed, packing=pack)
+    if documents:
+      self.blocks, self.features = DocumentBlocks(cache, **rows), packing.LM_FEATURES
+    else:
+      self.blocks = packing.TrainBlocks(cache, overlong=overlong, concat_prob=concat_prob,
+                                        concat_max=concat_max, **rows)
+      self.features = FEATURES
     self.num_workers = num_workers
     self._block, self._batch = 0, 0
     self._current: dict[str, np.ndarray] | None = None
@@ -183,14 +230,14 @@ class TrainStream:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    while self._current is None or self._batch >= len(self._current["inputs"]):
+    while self._current is None or self._batch >= len(self._current["targets"]):
       if self._current is not None:
         self._block, self._batch = self._block + 1, 0
       if self._iter is None:
         self._iter = workers.ordered_map(self._block, 2 ** 62, self.blocks, self.num_workers)
       self._current = next(self._iter)
       assert int(self._current["block"]) == self._block, "blocks arrived out of order"
-    batch = {k: self._current[k][self._batch] for k in FEATURES}
+    batch = {k: self._current[k][self._batch] for k in self.features}
     self._batch += 1
     return batch
 

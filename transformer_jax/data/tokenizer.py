@@ -57,13 +57,20 @@ class SentencePiece:
     return SentencePiece, (self.model_proto, 1)
 
   @classmethod
-  def train(cls, sentences: Iterable[str], vocab_size: int, max_sentences: int = 400_000):
+  def train(cls, sentences: Iterable[str], vocab_size: int, max_sentences: int = 400_000,
+            lossless: bool = False):
+    """`lossless`: decode(encode(text)) == text for any text of the training characters: no
+    normalization, every space and newline kept (a language model's documents)."""
     model = io.BytesIO()
+    exact = dict(normalization_rule_name="identity", remove_extra_whitespaces=False,
+                 add_dummy_prefix=False, user_defined_symbols=["\n"],
+                 allow_whitespace_only_pieces=True) if lossless else {}
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
         model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
         unk_id=UNK, input_sentence_size=max_sentences, shuffle_input_sentence=True,
-        num_threads=2, minloglevel=2, hard_vocab_limit=False)  # Small corpora: fewer pieces.
+        num_threads=2, minloglevel=2, hard_vocab_limit=False,  # Small corpora: fewer pieces.
+        **exact)
     return cls(model.getvalue())
 
   def encode(self, texts):
@@ -78,6 +85,12 @@ class SentencePiece:
   def pieces(self) -> list[str]:
     """Every piece, by id (the reserved ids' names included)."""
     return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
+  def characters(self) -> list[int]:
+    """The characters of text each id decodes to, by id: 0 for <pad>, <bos> and <eos>, 1 for
+    <unk> (one unknown character)."""
+    return [0 if i < UNK else 1 if i == UNK else len(self._sp.decode([i]))
+            for i in range(self.vocab_size)]
 
 
 def d2l_preprocess(text: str) -> str:

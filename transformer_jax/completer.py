@@ -1,0 +1,67 @@
+"""A trained language model restored from a workdir (config, tokenizer, the newest checkpoint
+that verifies), continuing text prompts with one jitted decoder (generation.continue_prompts).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from transformer_jax import decode, sharding
+from transformer_jax.data.tokenizer import BOS, EOS
+from transformer_jax.generation import InferenceError, continue_prompts
+from transformer_jax.workdir import Workdir
+
+
+class Completer:
+  """Restores a workdir's language model and continues prompts."""
+
+  def __init__(self, workdir: str | Path, step: int | None = None):
+    run = Workdir(workdir)
+    run.check_family("decoder_only", "generate")
+    config, tokenizers, self.model = run.open()
+    self.config, self.tokenizer, self.max_len = config, tokenizers.tgt, config.data.max_len
+    self.step, self.params = run.read_params(self.model, sharding.make_mesh((-1, 1, 1)),
+                                             "ema_params" if config.step.ema_decay > 0
+                                             else "params", step)
+    logging.info("Restored step %d from %s", self.step, run.checkpoints)
+
+  @functools.partial(jax.jit, static_argnums=(0, 4, 5))
+  def _continue(self, params, prompts, lengths, max_new, sampler, rng):
+    return continue_prompts(self.model, params, prompts, lengths, self.max_len, max_new,
+                            sampler, rng)
+
+  def encode(self, prompts: list[str]) -> list[list[int]]:
+    """<bos> + each prompt's ids; a prompt that leaves no room to generate is an error."""
+    rows = []
+    for number, (text, ids) in enumerate(zip(prompts, self.tokenizer.encode(prompts)), 1):
+      if len(ids) + 1 >= self.max_len:
+        raise InferenceError(f"prompt {number} has {len(ids)} tokens: the model reads at most "
+                             f"{self.max_len - 2} (data.max_len={self.max_len}, with <bos> and "
+                             "one new token)")
+      rows.append([BOS] + list(ids))
+    return rows
+
+  def complete(self, prompts: list[str], max_new_tokens: int, sampler=decode.Greedy(),
+               seed: int = 0) -> list[str]:
+    """Each prompt's continuation as text (up to <eos>, `max_new_tokens` or the model's
+    max_len, whichever comes first). Prompt i draws the same text in any batch."""
+    if max_new_tokens < 1:
+      raise InferenceError(f"--max_new_tokens must be at least 1, got {max_new_tokens}")
+    rows = self.encode(prompts)
+    width = -(-max(map(len, rows)) // 8) * 8  # Few distinct shapes, few compilations.
+    prompts_ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    tokens = np.asarray(self._continue(self.params, jnp.asarray(prompts_ids),
+                                       jnp.asarray(lengths), max_new_tokens, sampler,
+                                       jax.random.PRNGKey(seed)))
+    out = []
+    for row in tokens:
+      ids = row.tolist()
+      out.append(self.tokenizer.decode(ids[:ids.index(EOS)] if EOS in ids else ids))
+    return out
