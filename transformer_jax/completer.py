@@ -50,7 +50,8 @@ class Completer:
   def complete(self, prompts: list[str], max_new_tokens: int, sampler=decode.Greedy(),
                seed: int = 0) -> list[str]:
     """Each prompt's continuation as text (up to <eos>, `max_new_tokens` or the model's
-    max_len, whichever comes first). Prompt i draws the same text in any batch."""
+    max_len, whichever comes first). With a seed, prompt i of the list draws the same text
+    whatever the other prompts are."""
     if max_new_tokens < 1:
       raise InferenceError(f"--max_new_tokens must be at least 1, got {max_new_tokens}")
     rows = self.encode(prompts)

@@ -356,8 +356,6 @@ class Config:
           f"{data.batch_size} (the rows of one optimizer step)")
     check(data.max_len % step.loss_chunks == 0,
           f"step.loss_chunks={step.loss_chunks} must divide data.max_len={data.max_len}")
-    check(not self.model.share_embeddings or data.tokenizer == "sentencepiece",
-          "model.share_embeddings needs the joint sentencepiece tokenizer (data.tokenizer)")
     if self.model.family == "decoder_only":  # Translation fields a language model cannot use.
       for field, value, ok, why in (
           ("eval.bleu_sentences", self.eval.bleu_sentences, 0, "BLEU scores translations"),
@@ -366,6 +364,8 @@ class Config:
            "SentencePiece")):
         check(value == ok, f"{field}={value!r} is a translation field ({why}): set it to "
               f"{ok!r} for model.family='decoder_only'")
+    check(not self.model.share_embeddings or data.tokenizer == "sentencepiece",
+          "model.share_embeddings needs the joint sentencepiece tokenizer (data.tokenizer)")
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)

@@ -176,7 +176,7 @@ def strip(tokens) -> list[int]:
 
 
 def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: int,
-                     max_new: int, sampler=decode.Greedy(), rng=None):
+                     max_new: int, sampler=decode.Greedy(), rng=None, items=None):
   """A language model's continuations of prompts, in one `lax.while_loop` over a preallocated
   cache of `total_len` positions.
 
@@ -185,16 +185,18 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     lengths: [B] each row's prompt length with <bos> (at least 1).
     total_len: the cache's positions (the model's max_len at most: learned positions).
     max_new: tokens to generate at most per row; a row also stops at <eos> or at total_len.
+    items: [B] each prompt's number in the input (default 0, 1, ...).
   Returns:
     tokens [B, max_new]: each row's continuation, <pad> after its <eos> or its end.
 
   All rows step together from position 0: row r reads its prompt while t < lengths[r] and
-  feeds back what it sampled after that. Row r's i-th new token draws with the key
-  decode.row_keys(rng, r, i): a prompt continues alike in any batch.
+  feeds back what it sampled after that. The i-th new token of prompt number n draws with the
+  key decode.row_keys(rng, n, i): a prompt continues alike in any batch.
   """
   rng = jax.random.PRNGKey(0) if rng is None else rng
   b = prompts.shape[0]
   rows = jnp.arange(b)
+  items = rows if items is None else items
   cache = model.apply({"params": params}, b, total_len, method=LanguageModel.init_cache)
   steps = jnp.minimum(jnp.max(lengths) - 1 + max_new, total_len)
 
@@ -211,7 +213,7 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
                                 method=LanguageModel.decode_step)  # [B, V]
     new = t - (lengths - 1)  # [B] the index of the token this step makes, < 0 while reading
     writing = (new >= 0) & (new < max_new) & ~done
-    token = sampler(logits, decode.row_keys(rng, rows, jnp.maximum(new, 0))).astype(jnp.int32)
+    token = sampler(logits, decode.row_keys(rng, items, jnp.maximum(new, 0))).astype(jnp.int32)
     out = out.at[rows, jnp.clip(new, 0, max_new - 1)].set(
         jnp.where(writing, token, out[rows, jnp.clip(new, 0, max_new - 1)]))
     done = done | (writing & ((token == EOS) | (new == max_new - 1)))

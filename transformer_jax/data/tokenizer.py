@@ -59,12 +59,13 @@ class SentencePiece:
   @classmethod
   def train(cls, sentences: Iterable[str], vocab_size: int, max_sentences: int = 400_000,
             lossless: bool = False):
-    """`lossless`: decode(encode(text)) == text for any text of the training characters: no
-    normalization, every space and newline kept (a language model's documents)."""
+    """`lossless`: decode(encode(text)) == text for any text: no normalization, every space
+    and newline kept, a character never seen in training spelled as its UTF-8 bytes (a
+    language model's documents)."""
     model = io.BytesIO()
     exact = dict(normalization_rule_name="identity", remove_extra_whitespaces=False,
                  add_dummy_prefix=False, user_defined_symbols=["\n"],
-                 allow_whitespace_only_pieces=True) if lossless else {}
+                 allow_whitespace_only_pieces=True, byte_fallback=True) if lossless else {}
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
         model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
@@ -87,10 +88,18 @@ class SentencePiece:
     return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
   def characters(self) -> list[int]:
-    """The characters of text each id decodes to, by id: 0 for <pad>, <bos> and <eos>, 1 for
-    <unk> (one unknown character)."""
-    return [0 if i < UNK else 1 if i == UNK else len(self._sp.decode([i]))
-            for i in range(self.vocab_size)]
+    """The characters of text each id stands for, by id: 0 for <pad>, <bos> and <eos>, 1 for
+    <unk> (one unknown character); a byte piece counts 1 where it starts a UTF-8 character,
+    0 where it continues one."""
+    def count(i: int) -> int:
+      if i < UNK:
+        return 0
+      if i == UNK:
+        return 1
+      if self._sp.is_byte(i):
+        return 0 if 0x80 <= int(self._sp.id_to_piece(i)[1:-1], 16) < 0xC0 else 1
+      return len(self._sp.decode([i]))
+    return [count(i) for i in range(self.vocab_size)]
 
 
 def d2l_preprocess(text: str) -> str:

@@ -1,0 +1,401 @@
+"""A language model's input path, training and generation: documents cut, packed and predicted
+once; bits per character on the shared Shakespeare works; a real train.py run killed and resumed
+bit for bit; `generate` equal to the full forward pass; bad input in one line."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.conftest import DATA, ROOT
+from transformer_jax import config as config_lib, decode
+from transformer_jax.data import documents
+from transformer_jax.data.tokenizer import BOS, EOS
+
+MAX_LEN = 8
+
+
+class _Cache:
+  """A token cache of documents in memory (the "text" side of token_cache.TokenCache)."""
+
+  def __init__(self, docs: list[list[int]]):
+    self._tokens = np.array([t for d in docs for t in d], np.int32)
+    self._offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+
+  def tokens(self, side):
+    return self._tokens
+
+  def offsets(self, side):
+    return self._offsets
+
+  def lengths(self, side):
+    return np.diff(self._offsets).astype(np.int32)
+
+
+def _unique_docs(lengths) -> list[list[int]]:
+  """Documents whose every token id is distinct (ids from 10 on)."""
+  docs, next_id = [], 10
+  for n in lengths:
+    docs.append(list(range(next_id, next_id + n)))
+    next_id += n
+  return docs
+
+
+def _segments(batches):
+  """Every segment of every row: (decoder_inputs, targets, positions) lists."""
+  out = []
+  for b in batches:
+    for r in range(b["targets"].shape[0]):
+      seg = b["targets_segment_ids"][r]
+      for s in set(seg.tolist()) - {0}:
+        at = seg == s
+        out.append((b["decoder_inputs"][r][at].tolist(), b["targets"][r][at].tolist(),
+                    b["targets_positions"][r][at].tolist()))
+  return out
+
+
+@pytest.mark.parametrize("shift", [None, "random"])
+def test_cut_covers_every_stream_position_once(shift):
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 40, 50)
+  shifts = rng.integers(0, MAX_LEN, 50) if shift else None
+  chunks = documents.cut(lengths, MAX_LEN, shifts)
+  assert np.all((chunks.length >= 1) & (chunks.length <= MAX_LEN))
+  for d, n in enumerate(lengths):
+    mine = chunks.doc == d
+    covered = np.concatenate([np.arange(s, s + k) for s, k in
+                              zip(chunks.start[mine], chunks.length[mine])])
+    np.testing.assert_array_equal(np.sort(covered), np.arange(n))
+    if shift is None:
+      assert np.all(chunks.start[mine] % MAX_LEN == 0)
+
+
+def test_an_epoch_of_training_rows_predicts_every_token_once_after_its_predecessor():
+  docs = _unique_docs([1, 3, 7, 8, 9, 30, 2, 17, 64, 5])
+  blocks = documents.DocumentBlocks(_Cache(docs), rows=4, row_start=0, row_stop=4,
+                                    max_len=MAX_LEN, seed=3, batches_per_block=2)
+  for epoch in range(2):
+    per_block = [blocks(g) for g in range(epoch * blocks.blocks_per_epoch,
+                                          (epoch + 1) * blocks.blocks_per_epoch)]
+    batches = [{k: b[k][i] for k in b if k != "block"} for b in per_block
+               for i in range(len(b["targets"]))]
+    _check_predecessors(docs, batches)
+  # The cut points move between epochs.
+  assert not np.array_equal(blocks.epoch_chunks(0)[0].start, blocks.epoch_chunks(1)[0].start)
+
+
+def test_two_hosts_fill_the_rows_of_the_same_global_batches():
+  docs = _unique_docs([5, 40, 12, 3, 27])
+  whole = documents.DocumentBlocks(_Cache(docs), rows=4, row_start=0, row_stop=4,
+                                   max_len=MAX_LEN, seed=1)
+  halves = [documents.DocumentBlocks(_Cache(docs), rows=4, row_start=2 * h, row_stop=2 * h + 2,
+                                     max_len=MAX_LEN, seed=1) for h in range(2)]
+  for g in range(3):
+    joined = {k: np.concatenate([h(g)[k] for h in halves], axis=1) for k in ("targets",
+                                                                            "decoder_inputs")}
+    for k, v in joined.items():
+      np.testing.assert_array_equal(v, whole(g)[k])
+
+
+def _check_predecessors(docs, batches):
+  stream_of = {}
+  for d in docs:
+    for i, t in enumerate(d):
+      stream_of[t] = (BOS if i == 0 else d[i - 1])
+  eos_after = {d[-1]: d for d in docs}
+  seen = collections.Counter()
+  eos = 0
+  for inputs, targets, positions in _segments(batches):
+    assert positions == list(range(len(targets))) and 1 <= len(targets) <= MAX_LEN
+    for x, t in zip(inputs, targets):
+      if t == EOS:
+        assert x in eos_after  # <eos> follows a document's last token.
+        eos += 1
+      else:
+        assert stream_of[t] == x
+        seen[t] += 1
+  assert eos == len(docs) and set(seen.values()) == {1}
+  assert sorted(seen) == sorted(t for d in docs for t in d)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_eval_batches_predict_every_token_once(pack):
+  docs = _unique_docs([1, 7, 8, 9, 30, 2, 17])
+  batches = documents.eval_batches(_Cache(docs), batch_size=4, max_len=MAX_LEN, pack=pack)
+  _check_predecessors(docs, batches)
+  two = [documents.eval_batches(_Cache(docs), batch_size=4, max_len=MAX_LEN, pack=pack,
+                                process_index=h, process_count=2) for h in range(2)]
+  assert len(two[0]) == len(two[1]) == len(batches)
+
+
+def test_a_split_of_empty_documents_is_one_line():
+  with pytest.raises(documents.NoDocumentsError, match="the evaluation split holds no document "
+                     "with text"):
+    documents.eval_batches(_Cache([[], []]), batch_size=4, max_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory, tfds_dir):
+  """The shared Shakespeare works prepared with a 500-piece lossless tokenizer."""
+  from configs import lm_shakespeare
+  from transformer_jax.data import pipeline
+  config = lm_shakespeare.get_config("smoke")
+  config.data.update(data_dir=str(DATA / "shakespeare"), tfds_dir=tfds_dir, num_workers="0")
+  cfg = config_lib.parse(config).data
+  return cfg, pipeline.prepare_documents(cfg, tmp_path_factory.mktemp("lm_prepare"))
+
+
+def test_bits_per_character_count_every_character_of_the_held_out_works(shakespeare, tfds_dir):
+  from transformer_jax.data import sources
+  cfg, data = shakespeare
+  builder = sources.prepare_config(cfg)
+  (texts,) = sources.TextPairs(builder, cfg.dataset, "validation").read(range(4))
+  tokenizer = data.tokenizers.tgt
+  for text in texts:  # Lossless: newlines and runs of spaces come back.
+    assert tokenizer.decode(tokenizer.encode([text])[0]) == text
+  unseen = "Sums ∑ and euros € / naïve"  # Characters no work holds: spelled as bytes.
+  ids = tokenizer.encode([unseen])[0]
+  assert tokenizer.decode(ids) == unseen
+  assert sum(tokenizer.characters()[i] for i in ids) == len(unseen)
+  batches = documents.eval_batches(data.eval, batch_size=64, max_len=cfg.max_len)
+  assert documents.characters(batches, tokenizer) == sum(map(len, texts)) > 400_000
+  unigram = documents.unigram_bits(data.train, batches, tokenizer.vocab_size)
+  assert 2.0 < unigram / sum(map(len, texts)) < 6.0
+
+
+def test_the_tokenizer_and_caches_are_reused(shakespeare, tmp_path):
+  from transformer_jax.data import pipeline
+  cfg, data = shakespeare
+  again = pipeline.prepare_documents(cfg, tmp_path / "w2")
+  assert again.tokenizers.tgt.pieces() == data.tokenizers.tgt.pieces()
+  assert again.train.directory == data.train.directory
+
+
+# Generation.
+
+def _lm(max_len=24):
+  from transformer_jax.model import LanguageModel, TransformerConfig
+  section = config_lib.ModelConfig(family="decoder_only", num_encoder_layers=0,
+                                   num_decoder_layers=2, d_model=32, num_heads=4, ffn_dim=64,
+                                   dropout_rate=0.0, pre_ln=True, positions="learned")
+  model = LanguageModel(TransformerConfig(src_vocab_size=64, tgt_vocab_size=64, max_len=max_len,
+                                          **dataclasses.asdict(section)))
+  params = model.init(jax.random.PRNGKey(1), jnp.ones((1, max_len), jnp.int32))["params"]
+  return model, params
+
+
+def test_greedy_continuations_equal_the_full_forward_passs_argmax():
+  from transformer_jax.generation import continue_prompts
+  model, params = _lm()
+  prompts = [[BOS, 5, 9, 11, 40], [BOS, 7], [BOS, 30, 31, 32, 33, 34, 35, 36]]
+  width, max_new = 8, 10
+  ids = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  got = np.asarray(jax.jit(continue_prompts, static_argnums=(0, 4, 5))(
+      model, params, ids, lengths, 24, max_new))
+  forward = jax.jit(lambda x: model.apply({"params": params}, x))
+  for row, prompt in zip(got, prompts):
+    tokens = list(prompt)
+    for i in range(max_new):  # The full pass over everything so far, its last argmax.
+      logits = forward(jnp.array([tokens], jnp.int32))[0, -1]
+      nxt = int(jnp.argmax(logits[:64]))
+      assert row[i] == nxt, (prompt, i)
+      if nxt == EOS:
+        assert np.all(row[i + 1:] == 0)
+        break
+      tokens.append(nxt)
+
+
+def test_a_sampled_continuation_is_the_same_in_any_batch():
+  from transformer_jax.generation import continue_prompts
+  model, params = _lm()
+  run = jax.jit(continue_prompts, static_argnums=(0, 4, 5, 6))
+  sampler = decode.Sampling(temperature=1.5, top_k=20)
+  alone = run(model, params, np.array([[BOS, 5, 9, 0]], np.int32), np.array([3], np.int32), 24,
+              12, sampler, jax.random.PRNGKey(7), np.array([1]))  # Prompt number 1 alone.
+  both = run(model, params, np.array([[BOS, 8, 1, 2], [BOS, 5, 9, 0]], np.int32),
+             np.array([4, 3], np.int32), 24, 12, sampler, jax.random.PRNGKey(7))
+  np.testing.assert_array_equal(np.asarray(both)[1], np.asarray(alone)[0])
+  other_seed = run(model, params, np.array([[BOS, 5, 9, 0]], np.int32), np.array([3], np.int32),
+                   24, 12, sampler, jax.random.PRNGKey(8), np.array([1]))
+  assert not np.array_equal(np.asarray(other_seed), np.asarray(alone))
+
+
+# train.py on the Shakespeare works: straight, and killed then resumed.
+
+NUM_STEPS = 16
+
+
+def _command(workdir, tfds_dir, cache_dir, *extra):
+  return [sys.executable, "train.py", "--config", "configs/lm_shakespeare.py:smoke",
+          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
+          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
+          f"--config.run.num_steps={NUM_STEPS}", "--config.run.log_every=1",
+          "--config.run.checkpoint_every=4", "--config.eval.every=8",
+          "--config.eval.num_batches=4", "--config.data.num_workers=0", *extra]
+
+
+def _run(*args):
+  proc = subprocess.run(_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  return proc.stdout + proc.stderr
+
+
+def _records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory, tfds_dir, cache_dir):
+  workdir = tmp_path_factory.mktemp("lm_straight")
+  _run(workdir, tfds_dir, cache_dir)
+  return workdir
+
+
+def test_a_language_model_trains_and_reports_bits_per_character(lm_run):
+  records = _records(lm_run)
+  evals = [r for r in records if "eval/bits_per_char" in r]
+  assert [r["step"] for r in evals] == [8, 16]
+  assert evals[-1]["eval/bits_per_char"] < evals[0]["eval/bits_per_char"]
+  assert evals[0]["eval/unigram_bits_per_char"] == evals[-1]["eval/unigram_bits_per_char"] > 2
+  train = [r for r in records if "train/loss" in r]
+  assert [r["step"] for r in train] == list(range(1, NUM_STEPS + 1))
+  assert all(r["train/mfu"] > 0 if "train/mfu" in r else r["train/model_flops_per_sec"] > 0
+             for r in train)
+  assert json.loads((lm_run / "config.json").read_text())["model"]["family"] == "decoder_only"
+
+
+def test_a_killed_language_model_run_resumes_bit_for_bit(lm_run, tmp_path, tfds_dir, cache_dir):
+  proc = subprocess.Popen(_command(tmp_path, tfds_dir, cache_dir), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 300
+  while not any("] [10] steps_per_sec" in line for line in lines):
+    assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+    time.sleep(0.002)
+  os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+  reader.join()
+  log = _run(tmp_path, tfds_dir, cache_dir)
+  resumed = re.search(r"Resuming from the checkpoint of step (\d+)", log)
+  assert resumed and int(resumed.group(1)) in (4, 8), log[-3000:]  # 8 may still be written.
+  restore = lambda w: ocp.StandardCheckpointer().restore(w / "checkpoints" / str(NUM_STEPS) /
+                                                         "state")
+  a, b = jax.tree.leaves(restore(tmp_path)), jax.tree.leaves(restore(lm_run))
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  losses = lambda w: {r["step"]: r["train/loss"] for r in _records(w) if "train/loss" in r}
+  assert losses(tmp_path) == losses(lm_run)
+
+
+def _generate(*args):
+  return subprocess.run([sys.executable, "-m", "transformer_jax", "generate", *map(str, args)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_generate_continues_prompts_from_a_file(lm_run, tmp_path):
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("ROMEO.\nTo be, or not\\nto be\n")
+  out = tmp_path / "out.jsonl"
+  proc = _generate("--workdir", lm_run, "--input", prompts, "--output", out, "--max_new_tokens",
+                   12, "--temperature", 0.9, "--top_p", 0.9, "--seed", 3)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["prompt"] for r in rows] == ["ROMEO.", "To be, or not\nto be"]
+  assert all(isinstance(r["completion"], str) for r in rows)
+  again = tmp_path / "again.jsonl"
+  _generate("--workdir", lm_run, "--input", prompts, "--output", again, "--max_new_tokens", 12,
+            "--temperature", 0.9, "--top_p", 0.9, "--seed", 3)
+  assert again.read_text() == out.read_text()  # The seed fixes the samples.
+
+
+@pytest.mark.parametrize("args, message", [
+    (["word " * 40], r"prompt 1 has \d+ tokens: the model reads at most 30 \(data.max_len=32"),
+    (["ROMEO.", "--temperature", "0"], "--temperature must be positive, got 0.0"),
+    (["ROMEO.", "--top_p", "1.5"], r"--top_p must be in \(0, 1\], got 1.5"),
+])
+def test_bad_generate_input_is_one_line_and_writes_nothing(lm_run, tmp_path, args, message):
+  out = tmp_path / "out.jsonl"
+  proc = _generate("--workdir", lm_run, "--output", out, *args)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and re.search(message, last), proc.stderr[-800:]
+  assert not out.exists()
+
+
+def test_generate_on_a_translation_workdir_and_translate_on_a_language_model(trained, lm_run):
+  _, translation = trained
+  proc = _generate("--workdir", translation, "Hello")
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"error: {translation} holds a translation model (model.family='encoder_decoder'): "
+      "`generate` needs a language model; use `translate`")
+  proc = subprocess.run([sys.executable, "-m", "transformer_jax", "translate", "--workdir",
+                         str(lm_run), "Hello"], cwd=ROOT, capture_output=True, text=True)
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"error: {lm_run} holds a language model (model.family='decoder_only'): `translate` "
+      "needs a translation model; use `generate`")
+
+
+# Bad input to training: one line, nothing written.
+
+def _lm_config(tmp_path, **data):
+  from configs import lm_shakespeare
+  config = lm_shakespeare.get_config("smoke")
+  config.data.update(tfds_dir=str(tmp_path / "tfds"), num_workers="0", **data)
+  return config
+
+
+def test_an_empty_corpus_is_one_line_and_no_workdir(tmp_path):
+  from transformer_jax import trainer
+  from transformer_jax.data.builders import DatasetError
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text("\n\n")
+  (corpus / "b.txt").write_text("   ")
+  config = _lm_config(tmp_path, dataset="text_documents", data_dir=str(corpus))
+  with pytest.raises(DatasetError, match="holds 0 non-blank documents") as e:
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+def test_a_split_without_documents_is_one_line_and_no_workdir(tmp_path):
+  from transformer_jax import trainer
+  from transformer_jax.data.builders import DatasetError
+  config = _lm_config(tmp_path, data_dir=str(DATA / "shakespeare"),
+                      eval_split="validation[:0]")
+  with pytest.raises(DatasetError, match="split 'validation\\[:0\\]' of shakespeare") as e:
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("section, field, value, message", [
+    ("eval", "bleu_sentences", 8, "eval.bleu_sentences=8 is a translation field"),
+    ("data", "concat_prob", 0.3, "data.concat_prob=0.3 is a translation field"),
+    ("data", "tokenizer", "word", "data.tokenizer='word' is a translation field"),
+])
+def test_a_translation_field_on_a_language_model_is_named(tmp_path, section, field, value,
+                                                          message):
+  from transformer_jax import trainer
+  config = _lm_config(tmp_path)
+  config[section][field] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists() and not (tmp_path / "tfds").exists()
