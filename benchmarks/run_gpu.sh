@@ -22,10 +22,16 @@
 #         Tatoeba sources with decoding slots, beam 4 and greedy, each twice (an empty, then a
 #         filled compilation cache), timed whole. Reads $DATA (default data/: made by
 #         `python -m transformer_jax download --out data`, git-ignored; carry it along).
+# PART lm: the language-model tests on the GPU, then configs/lm_gpt2_small.py (12 layers,
+#         d_model 768, 64 x 1024 tokens, bf16) trained by train.py for 300 steps on the
+#         Shakespeare works in $DATA/shakespeare (a 16,384-piece tokenizer: the works hold too
+#         few distinct pieces for 50,257): step time, tokens/s, MFU.
+# PART lm_peer: benchmarks/lm_vs_pytorch.py at that size: ours and the PyTorch peer trained
+#         120 s each on the same batches, step time, tokens/s and validation bits per character.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures.
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|lm|lm_peer]}
 part=${2:-real}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -93,6 +99,25 @@ elif [ "$part" = decode ]; then
           --compilation_cache_dir $out/translate_cache"
     done
   done
+elif [ "$part" = lm ]; then
+  data=${DATA:-data}
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  step lm_tests 200 $py -m pytest -q -p no:cacheprovider tests/test_language_model.py
+  step lm_train 380 $py train.py --config configs/lm_gpt2_small.py --workdir "$out/lm_gpt2_small" \
+      --config.data.dataset=shakespeare --config.data.data_dir "$data/shakespeare" \
+      --config.data.tfds_dir "$out/tfds" --config.data.vocab_size=16384 \
+      --config.run.num_steps=300 --config.run.log_every=50 --config.eval.every=300 \
+      --config.run.checkpoint_every=300 --config.optimizer.warmup_steps=100
+  cp "$out/lm_gpt2_small/metrics.jsonl" "$out/lm_gpt2_small_metrics.jsonl" 2>/dev/null
+  rm -rf "$out/lm_gpt2_small/checkpoints" "$out/tfds"  # 1.5 GB of state: not brought back.
+elif [ "$part" = lm_peer ]; then
+  data=${DATA:-data}
+  step lm_vs_pytorch 580 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py benchmarks/lm_vs_pytorch.py \
+      --config configs/lm_gpt2_small.py --set data.dataset=shakespeare \
+      --set "data.data_dir=$data/shakespeare" --set "data.tfds_dir=$out/tfds" \
+      --set data.vocab_size=16384 --set run.num_steps=100000 --seconds 120 \
+      --json "$out/lm_vs_pytorch.json"
+  rm -rf "$out/tfds"
 elif [ "$part" = 3 ]; then
   for size in base big; do
     step "variants_$size" 300 $py benchmarks/step_variants.py --config "configs/wmt14_$size.py" \
