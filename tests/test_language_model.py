@@ -21,6 +21,13 @@ VARIANTS = [dict(scan_layers=scan, pre_ln=pre, positions=positions)
                                          (False, True, "learned"), (True, False, "learned")]]
 
 
+@pytest.fixture(autouse=True)
+def full_precision():
+  """Float32 products on every backend (a GPU's default TF32 differs from a CPU's by 1e-3)."""
+  with jax.default_matmul_precision("float32"):
+    yield
+
+
 def _model(**fields) -> LanguageModel:
   section = config_lib.ModelConfig(
       family="decoder_only", num_encoder_layers=0, num_decoder_layers=2, d_model=32,
