@@ -4,7 +4,7 @@ Command (the works read from a local copy; without data_dir they are downloaded)
   python train.py --config configs/lm_shakespeare.py --workdir runs/lm_shakespeare \
       --config.data.data_dir ../shared/data/shakespeare
 34 works train, 4 are held out for validation and 4 for test (whole works, by name). A
-lossless SentencePiece of 2,048 pieces (newlines and spaces kept), rows of 256 tokens cut from
+lossless SentencePiece of 2,048 pieces (newlines and spaces kept), rows of 128 tokens cut from
 the works at offsets that move every epoch, 4 pre-LN blocks of d_model 256 with learned
 positions and a tied output. Evaluation reports bits per character of the held-out works, and
 a unigram model's beside it. Measured figures: docs/language_models.md.
@@ -17,7 +17,7 @@ from transformer_jax.config import base_config, smoke, variants
 def get_config(arg=None):
   arg = variants(arg, ("smoke",))
   c = base_config()
-  c.data.update(dataset="shakespeare", vocab_size=2048, max_len=256, batch_size=32)
+  c.data.update(dataset="shakespeare", vocab_size=2048, max_len=128, batch_size=32)
   c.model.update(family="decoder_only", positions="learned", num_encoder_layers=0,
                  num_decoder_layers=4, d_model=256, num_heads=4, ffn_dim=1024,
                  dropout_rate=0.1, pre_ln=True)

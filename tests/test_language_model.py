@@ -149,8 +149,9 @@ def test_a_saved_config_without_the_family_reads_as_a_translation_model():
 def test_a_dataset_of_the_other_family_is_named(family, dataset, message):
   from transformer_jax import sections
   model = {"family": family, "num_encoder_layers": 0 if family == "decoder_only" else 6}
+  bleu = {"bleu_sentences": 0 if family == "decoder_only" else 256}
   with pytest.raises(ConfigError, match=message):
-    sections.validated({"model": model, "data": {"dataset": dataset}})
+    sections.validated({"model": model, "data": {"dataset": dataset}, "eval": bleu})
 
 
 def test_documents_are_held_out_whole_by_name():

@@ -341,7 +341,7 @@ def test_bad_generate_input_is_one_line_and_writes_nothing(lm_run, tmp_path, arg
   assert not out.exists()
 
 
-def test_generate_on_a_translation_workdir_and_translate_on_a_language_model(trained, lm_run):
+def test_generate_on_a_translation_workdir_and_translate_or_serve_on_a_language_model(trained, lm_run):
   _, translation = trained
   proc = _generate("--workdir", translation, "Hello")
   assert proc.stderr.strip().splitlines()[-1] == (
@@ -351,6 +351,12 @@ def test_generate_on_a_translation_workdir_and_translate_on_a_language_model(tra
                          str(lm_run), "Hello"], cwd=ROOT, capture_output=True, text=True)
   assert proc.stderr.strip().splitlines()[-1] == (
       f"error: {lm_run} holds a language model (model.family='decoder_only'): `translate` "
+      "needs a translation model; use `generate`")
+  proc = subprocess.run([sys.executable, "-m", "transformer_jax", "serve", "--workdir",
+                         str(lm_run), "--port=0"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+      f"error: {lm_run} holds a language model (model.family='decoder_only'): `serve` "
       "needs a translation model; use `generate`")
 
 
@@ -399,3 +405,17 @@ def test_a_translation_field_on_a_language_model_is_named(tmp_path, section, fie
   with pytest.raises(config_lib.ConfigError, match=message):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists() and not (tmp_path / "tfds").exists()
+
+
+def test_another_max_len_with_learned_positions_is_another_model():
+  from configs import lm_shakespeare
+  from transformer_jax.workdir import check_same_model
+  saved = config_lib.parse(lm_shakespeare.get_config())
+  longer = lm_shakespeare.get_config()
+  longer.data.max_len = 2 * saved.data.max_len
+  with pytest.raises(config_lib.ConfigError, match="another model: data.max_len differ"):
+    check_same_model(saved, config_lib.parse(longer))
+  longer.model.positions = "sinusoidal"  # No parameter per position: resumable.
+  saved = config_lib.parse({**saved.to_dict(), "model": {**saved.to_dict()["model"],
+                                                         "positions": "sinusoidal"}})
+  check_same_model(saved, config_lib.parse(longer))

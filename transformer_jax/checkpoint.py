@@ -258,6 +258,7 @@ class Checkpointer:
     if not diffs:
       return
     embeddings = [k for k in sorted(wanted, key=order) if k.endswith("embedding")
+                  and not k.endswith("position_embedding")
                   and k in stored and stored[k][0] != wanted[k][0]]
     if embeddings:  # An embedding's rows are the vocabulary, padded to a multiple of 128.
       k = embeddings[0]
