@@ -132,8 +132,6 @@ def main(argv):
   with errors.reported():
     if not FLAGS.workdir:
       raise InferenceError("--workdir is required")
-    for workdir in FLAGS.workdir:
-      Workdir(workdir).check_family("encoder_decoder", "translate")
     if sum(map(bool, (sentences, FLAGS.input, FLAGS.split))) != 1:
       raise InferenceError("give either sentences as arguments, --input FILE or --split NAME")
     if FLAGS.split_from and not FLAGS.split:
@@ -186,6 +184,8 @@ def main(argv):
     if references is not None and not any(line.strip() for line in lines):
       raise InferenceError(f"--input {FLAGS.input} holds no sentence: nothing to translate or "
                            "score")
+    for workdir in FLAGS.workdir:
+      Workdir(workdir).check_family("encoder_decoder", "translate")
     # A line with characters but no token (say, only U+200B) is refused before the model loads.
     tokenizer = Workdir(FLAGS.workdir[0]).tokenizers().src
     for number, (line, ids) in enumerate(zip(lines, tokenizer.encode(lines)), 1):
