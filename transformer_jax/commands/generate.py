@@ -85,7 +85,6 @@ def main(argv):
     from transformer_jax.completer import Completer  # The model loads after the checks.
     launch.use_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache_dir)
     completer = Completer(FLAGS.workdir, FLAGS.step)
-    completer.encode(prompts)  # Checks every prompt's length before generating.
     texts = completer.complete(prompts, FLAGS.max_new_tokens, sampler, FLAGS.seed)
     if FLAGS.output:
       Path(FLAGS.output).write_text(
