@@ -96,6 +96,76 @@ def test_large_beam_finds_the_exhaustive_optimum(seed):
   np.testing.assert_allclose(float(scores[0, 0]), best, rtol=1e-5)
 
 
+def _first_k_reference(table, k, alpha):
+  """CTranslate2's beam search (patience 1) written plainly, scored by GNMT's penalty: every
+  step ranks all continuations of the live beams; an <eos> among the K best ends a hypothesis;
+  the K best others live on; the search ends once K hypotheses have ended. Returns the K best
+  (score, tokens with <eos>)."""
+  length, vocab = table.shape[:2]
+  live, ended = [([], 0.0)], []
+  for t in range(length):
+    candidates = sorted(((logp + table[t, seq[-1] if seq else BOS, token], seq + [token])
+                         for seq, logp in live for token in range(vocab)), key=lambda c: -c[0])
+    ended += [(logp / decode.length_penalty(len(seq), alpha), seq)
+              for logp, seq in candidates[:k] if seq[-1] == EOS]
+    live = [(seq, logp) for logp, seq in candidates[:2 * k] if seq[-1] != EOS][:k]
+    if len(ended) >= k:
+      break
+  return sorted(ended, key=lambda c: -c[0])[:k]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_first_k_beam_search_ends_as_ctranslate2_does(seed):
+  table = _random_table(seed, length=6, vocab=7)
+  table[-1, :, 3:] = -1e9  # Every hypothesis ends by the last step.
+  table = table - np.log(np.exp(table).sum(-1, keepdims=True))
+  cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
+  tokens, scores = decode.beam_search(_fake_model(table), cache, 1, 6, SPECIALS, beam_size=3,
+                                      alpha=0.6, stop="first_k")
+  want = _first_k_reference(table, 3, alpha=0.6)
+  assert [decode.strip(row, SPECIALS) + [EOS] for row in np.asarray(tokens[0])] == [
+      seq for _, seq in want]
+  np.testing.assert_allclose(np.asarray(scores[0]), [score for score, _ in want], rtol=1e-5)
+
+
+def test_a_beam_search_stops_sooner_by_first_k_and_exact_finds_what_it_missed():
+  """An empty output and a one-token one end first; a two-token output that the length
+  penalty lifts above them ends a step later: first_k stops before it, exact finds it."""
+  table = np.full((5, 6, 6), -30.0)
+  table[:, :, EOS] = 0.0  # Anything else ends.
+  table[0, BOS, [EOS, 3, 4]] = np.log([0.5, 0.45, 0.05])
+  table[1, 3, [EOS, 3]] = np.log([0.3, 0.7])
+  table[2, 3, [EOS, 3]] = np.log([0.99, 0.01])
+  table = table - np.log(np.exp(table).sum(-1, keepdims=True))
+  cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((1,))}
+  run = lambda stop: decode.beam_search(_fake_model(table), cache, 1, 5, SPECIALS, beam_size=2,
+                                        alpha=2.0, stop=stop)
+  (first, first_scores), (exact, exact_scores) = run("first_k"), run("exact")
+  assert decode.strip(first[0, 0], SPECIALS) == []
+  np.testing.assert_allclose(float(first_scores[0, 0]), np.log(0.5), rtol=1e-4)
+  assert decode.strip(exact[0, 0], SPECIALS) == [3, 3]
+  np.testing.assert_allclose(float(exact_scores[0, 0]),
+                             np.log(0.45 * 0.7 * 0.99) / decode.length_penalty(3, 2.0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_beams_stay_in_place_and_copies_never_read_an_overwritten_row(seed):
+  """The in-place cache update equals a gather of every row from its parent."""
+  rng = np.random.default_rng(seed)
+  b, k = 3, 4
+  parents = jnp.asarray(rng.integers(0, k, size=(b, k)), jnp.int32)
+  place = decode._stay_in_place(parents)
+  assert (np.sort(np.asarray(place), axis=1) == np.arange(k)).all()  # A permutation.
+  placed = np.take_along_axis(np.asarray(parents), np.asarray(place), axis=1)
+  for row in placed:  # A beam with a continuation keeps its first one in its own place.
+    assert all(row[j] == j for j in set(row.tolist()))
+  cache = {"k": jnp.asarray(rng.normal(size=(b * k, 2, 5)), jnp.float32),
+           "index": jnp.zeros((), jnp.int32)}
+  got = decode._copy_parents(cache, jnp.asarray(placed))
+  rows = (np.arange(b)[:, None] * k + placed).reshape(-1)
+  np.testing.assert_array_equal(np.asarray(got["k"]), np.asarray(cache["k"])[rows])
+
+
 def test_beam_one_temperature_zero_and_top_k_one_equal_greedy():
   table = _random_table(7, length=6)
   cache = {"t": jnp.zeros((), jnp.int32), "rows": jnp.zeros((3,))}

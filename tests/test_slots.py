@@ -31,10 +31,10 @@ def _rows(translator, texts):
   return src, [row[row != 0] for row in src]
 
 
-@pytest.mark.parametrize("beam_size", [1, 4])
+@pytest.mark.parametrize("beam_size,beam_stop", [(1, "first_k"), (4, "first_k"), (4, "exact")])
 def test_slots_give_each_sentence_what_a_batch_of_its_width_gives(translator, sources,
-                                                                  beam_size):
-  options = DecodeOptions(beam_size=beam_size, alpha=0.6)
+                                                                  beam_size, beam_stop):
+  options = DecodeOptions(beam_size=beam_size, alpha=0.6, beam_stop=beam_stop)
   src, rows = _rows(translator, sources)
   widths = np.array([-(-len(r) // 8) * 8 for r in rows])
   tokens, scores = translator.decode(src, options, widths=widths)

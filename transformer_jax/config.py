@@ -28,6 +28,7 @@ from typing import Any
 
 import ml_collections
 
+from transformer_jax.decode import BEAM_STOPS
 from transformer_jax.errors import UserError
 
 SCHEDULES = ("rsqrt", "cosine", "constant")
@@ -321,8 +322,13 @@ class DecodeConfig(_Section):
   segment_over: int = 16  # Sources of more tokens are translated sentence by sentence (-1: none).
   long_beam_size: int = 0  # Beam size for sources (or sentences) over long_over tokens; 0: off.
   long_over: int = 16
+  # When a beam search ends (decode.BEAM_STOPS): "first_k" once K hypotheses have ended, as
+  # CTranslate2 does; "exact" once no live beam can beat the finished ones (more steps).
+  beam_stop: str = "first_k"
 
   def check(self):
+    check(self.beam_stop in BEAM_STOPS,
+          f"decode.beam_stop={self.beam_stop!r} must be one of {', '.join(BEAM_STOPS)}")
     check(self.beam_size >= 1,
           f"decode.beam_size={self.beam_size} must be at least 1 (1: greedy)")
     check(self.alpha >= 0, f"decode.alpha={self.alpha} must be >= 0 (0: no length penalty)")

@@ -28,6 +28,12 @@ from jax import lax
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 NEG_INF = -1e9
 
+# When a beam search ends. "exact": once no live beam can beat the K finished ones (the best
+# translation the beam can find; a search with a length penalty often runs to its limit).
+# "first_k": once K hypotheses have ended, each an <eos> among the step's K best candidates
+# (CTranslate2's rule with patience 1): far fewer steps, the best of those K kept.
+BEAM_STOPS = ("exact", "first_k")
+
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
@@ -160,12 +166,39 @@ def length_penalty(length, alpha: float):
   return ((5.0 + length) / 6.0) ** alpha
 
 
-def _gather_beams(tree, beam_idx, batch_size: int, beams: int):
-  """Reorders every [B * K, ...] leaf by beam_idx [B, K] (each sentence's K rows): one gather
-  of whole rows (a decoding cache's rows are contiguous: a copy of blocks)."""
-  rows = (jnp.arange(batch_size)[:, None] * beams + beam_idx).reshape(-1)  # [B * K]
-  return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows, axis=0, mode="clip"),
-                      tree)
+def _stay_in_place(parents: jax.Array) -> jax.Array:
+  """parents [B, K]: the beam each of K new beams continues. -> place [B, K]: the new beams'
+  order in which beam j continues beam j whenever beam j has a continuation (its first one),
+  the other new beams taking, in their order, the places of the beams that have none."""
+  k = parents.shape[1]
+  is_child = parents[:, :, None] == jnp.arange(k)[None, None, :]  # [B, new, old]
+  first = is_child & (jnp.cumsum(is_child, axis=1) == 1)  # The first continuation of each old.
+  kept = first.any(axis=1)  # [B, old]: places held by their own first continuation.
+  rest = ~first.any(axis=2)  # [B, new]: new beams that go to a free place.
+  # The r-th of the rest takes the r-th free place.
+  rank_rest = jnp.where(rest, jnp.cumsum(rest, axis=1) - 1, -1)  # [B, new]
+  rank_free = jnp.where(~kept, jnp.cumsum(~kept, axis=1) - 1, -2)  # [B, old]
+  to_free = rank_rest[:, :, None] == rank_free[:, None, :]  # [B, new, old]
+  placed = first | to_free  # Exactly one True per new beam and per place.
+  return jnp.argmax(placed, axis=1).astype(jnp.int32)  # [B, place]: the new beam there.
+
+
+def _copy_parents(tree, parents: jax.Array):
+  """Each [B * K, ...] leaf's row b * K + j becomes a copy of row b * K + parents[b, j], in
+  place and only where they differ. Safe with `_stay_in_place`'s order: a row copied from is
+  a beam that continues in its own place, so no copy overwrites a row still to be read."""
+  b, k = parents.shape
+  dst = jnp.arange(b * k)
+  src = (jnp.arange(b)[:, None] * k + parents).reshape(-1)
+  moved = src != dst
+  order = jnp.argsort(~moved, stable=True)  # The rows to copy first.
+
+  def copy(i, tree):
+    row = order[i]
+    return jax.tree.map(lambda x: x if x.ndim == 0 else lax.dynamic_update_index_in_dim(
+        x, lax.dynamic_index_in_dim(x, src[row], keepdims=False), row, 0), tree)
+
+  return lax.fori_loop(0, jnp.sum(moved), copy, tree)
 
 
 def tile_beams(tree, beams: int):
@@ -175,10 +208,11 @@ def tile_beams(tree, beams: int):
 
 def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
                 specials: Specials, beam_size: int = 4, alpha: float = 0.6,
-                limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                limits: jax.Array | None = None, stop: str = "exact"
+                ) -> tuple[jax.Array, jax.Array]:
   """Beam search with GNMT's length penalty; `cache` is per sentence ([B, ...] leaves).
 
-  Stops early once no live beam can beat the finished ones. `limits` [B] (at most max_len):
+  A sentence's search ends by the rule `stop` (BEAM_STOPS). `limits` [B] (at most max_len):
   each sentence's own length limit; its search stops there (its state is kept from then on)
   and ends as it would at max_len.
   Returns:
@@ -189,13 +223,13 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
 
   def cond(state):
     i = state[0]
-    done = beam_done(state, max_penalty)
+    done = beam_done(state, max_penalty, stop)
     if limits is not None:
       done = done | (i >= limits)
     return (i < max_len) & ~jnp.all(done)
 
   def body(state):
-    new = beam_step(tokens_to_logits, state, specials, alpha, k)
+    new = beam_step(tokens_to_logits, state, specials, alpha, k, stop)
     if limits is None:
       return new
     # A sentence at its limit keeps its state (the cache's rows need not: nothing reads them).
@@ -211,15 +245,17 @@ def initial_beams(b: int, k: int, max_len: int, specials: Specials):
   step: every beam <bos>, the first one live."""
   seqs = jnp.zeros((b, k, max_len + 1), jnp.int32).at[:, :, 0].set(specials.bos)
   live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
-  return seqs, live_logp, seqs, jnp.full((b, k), NEG_INF), jnp.zeros((b, k), bool)
+  return seqs, live_logp, seqs, jnp.full((b, k), NEG_INF, jnp.float32), jnp.zeros((b, k), bool)
 
 
-def beam_done(state, max_penalty) -> jax.Array:
-  """[B]: the searches whose finished beams no live beam can beat any more: its log-prob now,
-  at the largest length penalty (log-probs only fall, and the penalty grows with length for
-  alpha >= 0)."""
+def beam_done(state, max_penalty, stop: str = "exact") -> jax.Array:
+  """[B]: the searches that end by the rule `stop`. "exact": K beams finished and no live beam
+  can beat them any more: its log-prob now, at the largest length penalty (log-probs only
+  fall, and the penalty grows with length for alpha >= 0). "first_k": K beams finished."""
   _, _, live_logp, _, fin_scores, fin_flags, _ = state
-  best_live = live_logp[:, 0] / max_penalty
+  if stop == "first_k":
+    return fin_flags.all(-1)
+  best_live = live_logp.max(-1) / max_penalty
   worst_fin = jnp.where(fin_flags.all(-1), fin_scores.min(-1), NEG_INF)
   return worst_fin >= best_live
 
@@ -232,10 +268,15 @@ def keep_beams(stopped: jax.Array, old, new):
   return (i, *map(keep, old[1:6], new[1:6]), new[6])
 
 
-def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha, k: int):
+def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha, k: int,
+              stop: str = "exact"):
   """One step of B searches of K beams: state (i, live_seqs [B, K, L+1], live_logp [B, K],
   fin_seqs, fin_scores, fin_flags, cache [B*K rows]) -> the next. `i`: the step, one for all
-  searches ([]) or each its own ([B])."""
+  searches ([]) or each its own ([B]). A candidate ending in <eos> joins the finished ones
+  if it is among the step's 2K best ("exact") or K best ("first_k", as CTranslate2 counts
+  the hypotheses that end its search)."""
+  if stop not in BEAM_STOPS:
+    raise ValueError(f"beam stop {stop!r} is not one of {BEAM_STOPS}")
   i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
   b = live_seqs.shape[0]
   if jnp.ndim(i) == 0:
@@ -266,18 +307,23 @@ def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha
     seqs = jnp.where(at, token[:, :, None], seqs)
     penalty = length_penalty(i + 1, alpha)[:, None]
   is_eos = token == specials.eos
+  ends = is_eos if stop == "exact" else is_eos & (jnp.arange(2 * k) < k)
 
-  # Live: the K best candidates that did not just end.
+  # Live: the K best candidates that did not just end, each placed where its parent was if it
+  # is that parent's first (so most cache rows stay where they are: only the rest are copied).
   alive_logp = jnp.where(is_eos, NEG_INF, top_logp)
   alive_logp, keep = lax.top_k(alive_logp, k)  # [B, K]
+  place = _stay_in_place(jnp.take_along_axis(beam, keep, axis=1))  # [B, K]
+  keep = jnp.take_along_axis(keep, place, axis=1)
+  alive_logp = jnp.take_along_axis(alive_logp, place, axis=1)
   live_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-  cache = _gather_beams(cache, jnp.take_along_axis(beam, keep, axis=1), b, k)
+  cache = _copy_parents(cache, jnp.take_along_axis(beam, keep, axis=1))
 
   # Finished: the K best of the old finished and the candidates that just ended.
-  new_scores = jnp.where(is_eos, top_logp / penalty, NEG_INF)
+  new_scores = jnp.where(ends, top_logp / penalty, NEG_INF)
   all_scores = jnp.concatenate([fin_scores, new_scores], axis=1)  # [B, 3K]
   all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
-  all_flags = jnp.concatenate([fin_flags, is_eos], axis=1)
+  all_flags = jnp.concatenate([fin_flags, ends], axis=1)
   fin_scores, pick = lax.top_k(all_scores, k)
   fin_seqs = jnp.take_along_axis(all_seqs, pick[:, :, None], axis=1)
   fin_flags = jnp.take_along_axis(all_flags, pick, axis=1)
@@ -290,6 +336,8 @@ def final_beams(live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, max_penal
   finished fewer than K beams (finished ones come first, best first) take its live beams, best
   first, scored at the largest length penalty `max_penalty` ([] or [B])."""
   k = live_seqs.shape[1]
+  live_logp, by_score = lax.top_k(live_logp, k)  # Live beams best first.
+  live_seqs = jnp.take_along_axis(live_seqs, by_score[:, :, None], axis=1)
   slot = jnp.arange(k)[None, :] - fin_flags.sum(-1, keepdims=True)  # [B, K]: live beam to take
   live_pick = jnp.clip(slot, 0, k - 1)
   live_seqs = jnp.take_along_axis(live_seqs, live_pick[:, :, None], axis=1)

@@ -31,6 +31,7 @@ class DecodeOptions:
   alpha: float = 0.6  # GNMT length penalty, beam search only.
   max_len_margin: int = 10  # Decode up to source length + margin tokens ...
   max_len: int = 0  # ... or exactly this many, when positive.
+  beam_stop: str = "first_k"  # When a beam search ends: decode.BEAM_STOPS.
 
 
 def encode_source(model: Transformer, params, src):
@@ -115,23 +116,25 @@ def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float 
   return decode.sample(step, cache, src.shape[0], max_len, SPECIALS, sampler, rng)
 
 
-def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits=None):
+def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits=None,
+          beam_stop: str = "exact"):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam, best first, scored by
   log-probability / GNMT length penalty (decode.beam_search; `limits` [B]: each sentence's
-  own length limit, at most max_len)."""
+  own length limit, at most max_len; `beam_stop`: when a search ends)."""
   step, cache = decoder(model, params, src, max_len)
   return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
-                            limits)
+                            limits, beam_stop)
 
 
-def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None):
+def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,
+           beam_stop: str = "exact"):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]), K = beam_size: the beams best first
   (decode.beam_search), or with K = 1 the greedy output. A score is the log-probability /
   GNMT length penalty of the output's length with <eos>, for greedy outputs too. `alpha` may
   be traced (one compilation serves every alpha). `limits` [B]: each row's own length limit
   (at most max_len); a row decodes as it would alone with max_len = its limit."""
   if beam_size > 1:
-    return beams(model, params, src, max_len, beam_size, alpha, limits)
+    return beams(model, params, src, max_len, beam_size, alpha, limits, beam_stop)
   step, cache = decoder(model, params, src, max_len)
   tokens, logprob = decode.sample_scored(step, cache, src.shape[0], max_len, SPECIALS,
                                          limits=limits)

@@ -97,11 +97,12 @@ class Service:
     count = self.settings.slots
     if count < 0:
       count = slots.default_slots(jax.default_backend(), beam_size)
-    return slots.SlotStream(self.translator.slot_decoder(DecodeOptions(beam_size=beam_size),
-                                                         count, width))
+    options = DecodeOptions(beam_size=beam_size, beam_stop=self.defaults.beam_stop)
+    return slots.SlotStream(self.translator.slot_decoder(options, count, width))
 
   def _decode(self, src, widths, beam_size, alpha):
-    return self.translator.decode(src, DecodeOptions(beam_size=beam_size, alpha=alpha), widths)
+    options = DecodeOptions(beam_size=beam_size, alpha=alpha, beam_stop=self.defaults.beam_stop)
+    return self.translator.decode(src, options, widths)
 
   def parse(self, body: bytes) -> tuple[list[str], DecodeOptions, int, object]:
     """(sentences, options, n_best, id) of a request body, or BadRequest naming the problem."""
@@ -148,7 +149,9 @@ class Service:
     n_best = _integer(request, "n_best", 0)
     if not 0 <= n_best <= beam_size:
       raise BadRequest(f"n_best {n_best} must be from 0 (off) to the beam size ({beam_size})")
-    return lines, DecodeOptions(beam_size=beam_size, alpha=float(alpha)), n_best, request.get("id")
+    options = DecodeOptions(beam_size=beam_size, alpha=float(alpha),
+                            beam_stop=self.defaults.beam_stop)
+    return lines, options, n_best, request.get("id")
 
   def pieces(self, lines: list[str], options: DecodeOptions,
              whole: bool) -> tuple[list[tuple[list[int], Kind]], list[int]]:

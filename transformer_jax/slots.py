@@ -73,10 +73,10 @@ class SlotDecoder:
 
   def __init__(self, model: SlotModel, params, slots: int, width: int, max_len: int,
                specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
-               sampler=decode.Greedy(), rng: jax.Array | None = None):
+               sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact"):
     self.model, self.params, self.specials = model, params, specials
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
-    self.alpha, self.sampler = alpha, sampler
+    self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng
     self._encode = jax.jit(model.encode, static_argnums=2)
     self._refill = jax.jit(self._refill_fn, donate_argnums=0)
@@ -141,7 +141,7 @@ class SlotDecoder:
       ended = state["done"]
     else:
       penalty = decode.length_penalty(state["limits"], state["alpha"])
-      ended = decode.beam_done((None, *state["beams"], None), penalty)
+      ended = decode.beam_done((None, *state["beams"], None), penalty, self.beam_stop)
     return state["active"] & (ended | at_limit)
 
   def _run_fn(self, params, state, min_free, max_steps):
@@ -177,7 +177,7 @@ class SlotDecoder:
                      logprob=jnp.where(running, logprob, state["logprob"]))
       else:
         old = (t, *state["beams"], state["cache"])
-        new = decode.beam_step(step, old, self.specials, state["alpha"], k)
+        new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop)
         new = decode.keep_beams(~running, old, new)
         state.update(beams=new[1:6], cache=new[6])
       state["t"] = t + running

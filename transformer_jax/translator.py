@@ -77,13 +77,14 @@ class Translator:
     from transformer_jax.data.sources import DATASETS  # tfds: imported only when asked.
     return DATASETS[self.config.data.dataset].src_lang
 
-  @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-  def decode_ids(self, params, src, max_len, beam_size, alpha, limits=None):
+  @functools.partial(jax.jit, static_argnums=(0, 3, 4, 7))
+  def decode_ids(self, params, src, max_len, beam_size, alpha, limits=None, beam_stop="exact"):
     """params: `all_params`; src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam
     best first (K = beam_size; greedy: K = 1), scores as generation.scored. Compiled once per
     shape and beam size; `alpha` is traced (pass it as an array), so any alpha reuses it.
-    `limits` [B]: each row's own output length limit (generation.scored)."""
-    return scored(self.models, params, src, max_len, beam_size, alpha, limits)
+    `limits` [B]: each row's own output length limit (generation.scored). `beam_stop`: when a
+    beam search ends (decode.BEAM_STOPS)."""
+    return scored(self.models, params, src, max_len, beam_size, alpha, limits, beam_stop)
 
   def decode(self, src: np.ndarray, options: DecodeOptions,
              widths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +97,7 @@ class Translator:
     if widths is not None and not options.max_len:
       limits = np.asarray(widths, np.int32) + options.max_len_margin
     out = self.decode_ids(self.all_params, src, max_len, options.beam_size,
-                          np.float32(options.alpha), limits)
+                          np.float32(options.alpha), limits, options.beam_stop)
     return tuple(map(np.asarray, out))
 
   @property
@@ -113,12 +114,13 @@ class Translator:
     compile once (the same for any input and any length penalty)."""
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
-    key = (num_slots, width, max_len, options.beam_size)
+    key = (num_slots, width, max_len, options.beam_size, options.beam_stop)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
       self._slot_decoders[key] = slots.SlotDecoder(
-          slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size)
+          slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size,
+          beam_stop=options.beam_stop)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,

@@ -31,6 +31,7 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 
 from transformer_jax import errors, fs, launch, slots  # noqa: E402
+from transformer_jax.decode import BEAM_STOPS  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
@@ -97,6 +98,9 @@ def define_flags():
                        "source) of more than --long_over tokens; 0: --beam_size for all. Needs "
                        "beam search (--beam_size 2 or more). Default: the workdir's config.")
   flags.DEFINE_integer("long_over", None, "See --long_beam_size. Default: the workdir's config.")
+  flags.DEFINE_enum("beam_stop", None, list(BEAM_STOPS), "When a beam search ends: first_k once "
+                    "K hypotheses have ended (as CTranslate2), exact once no live beam can beat "
+                    "the finished ones (more steps). Default: the workdir's config.")
   flags.DEFINE_integer("batch_size", 64, "With --slots 0: sentences per batch with --input or "
                        "--split (at most, with --batch_tokens).")
   flags.DEFINE_integer("batch_tokens", 1024, "With --slots 0: sentences per batch by a budget of "
@@ -210,7 +214,8 @@ def main(argv):
     if FLAGS.max_len > limit:
       raise InferenceError(f"--max_len {FLAGS.max_len} is over {limit}, 4 x the max_len the "
                            "model was trained with")
-    options = DecodeOptions(beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, max_len=FLAGS.max_len)
+    options = DecodeOptions(beam_size=FLAGS.beam_size, alpha=FLAGS.alpha, max_len=FLAGS.max_len,
+                            beam_stop=FLAGS.beam_stop)
     many = bool(FLAGS.input or FLAGS.split)
     batch_size = FLAGS.batch_size if many else max(1, len(lines))
     segment_over = None if FLAGS.segment_over < 0 else FLAGS.segment_over
