@@ -8,6 +8,7 @@ import pytest
 
 from transformer_jax import decode, generation, slots
 from transformer_jax.generation import SPECIALS, DecodeOptions, encode_sources
+from transformer_jax.programs import ProgramStore
 from transformer_jax.translator import Translator, split_pairs, translate_lines
 
 
@@ -108,3 +109,25 @@ def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam
     assert tokens[0][:n].tolist() == expected and (tokens[0][n:] == SPECIALS.pad).all()
     assert scores.shape == (beam_size,)
   assert sum(finished) == len(lengths) and len(finished) > 3  # Many runs, each ending some.
+
+
+def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, sources, tmp_path):
+  """A decoder whose programs a ProgramStore kept (traced by the first, loaded by the second
+  without tracing) decodes what a decoder of plain jax.jit programs does."""
+  src, rows = _rows(translator, sources[:10])
+  width = src.shape[1]
+  limits = [width + 10] * len(rows)
+
+  def decoder(programs):
+    return slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 3,
+                             width, width + 10, SPECIALS, beam_size=2, programs=programs)
+
+  plain = decoder(ProgramStore(None)).decode_all(rows, limits)
+  kept = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
+  assert {p.name.split("-")[0] for p in tmp_path.iterdir()} == {
+      "slots_empty", "slots_encode", "slots_refill", "slots_run", "slots_results"}
+  loaded = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
+  for a, b, c in zip(plain, kept, loaded):
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[0], c[0])
+    np.testing.assert_allclose(a[1], c[1], rtol=1e-6)

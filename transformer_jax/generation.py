@@ -103,7 +103,8 @@ def slot_model(model) -> slots.SlotModel:
               "v": jax.tree.map(lambda x: pad(x, -2), state["v"]), "valid": pad(state["valid"], -1)}
     return tuple(padded(encode_source(m, p, src)) for m, p in zip(models, members(params)))
 
-  return slots.SlotModel(step=step, init_cache=init_cache, encode=encode)
+  return slots.SlotModel(step=step, init_cache=init_cache, encode=encode,
+                         describe=repr(tuple(m.cfg for m in models)))
 
 
 def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,

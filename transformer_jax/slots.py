@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import decode
+from transformer_jax.programs import ProgramStore
 
 
 # Decoder rows one step computes, by platform, when the user names no slot count. On a 2-core
@@ -59,6 +61,7 @@ class SlotModel:
   step: Callable
   init_cache: Callable
   encode: Callable
+  describe: str = ""  # What the functions close over (the model's config), for ProgramStore.
 
 
 def _where(mask: jax.Array, new, old):
@@ -73,16 +76,21 @@ class SlotDecoder:
 
   def __init__(self, model: SlotModel, params, slots: int, width: int, max_len: int,
                specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
-               sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact"):
+               sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
+               programs: ProgramStore = ProgramStore(None)):
+    """`programs`: where the compiled programs are kept for a later process (default: not)."""
     self.model, self.params, self.specials = model, params, specials
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng
-    self._encode = jax.jit(model.encode, static_argnums=2)
-    self._refill = jax.jit(self._refill_fn, donate_argnums=0)
-    self._run = jax.jit(self._run_fn, donate_argnums=1)
-    self._results = jax.jit(self._results_fn)
-    self._empty = jax.jit(self._empty_fn)
+    describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
+                     np.asarray(jax.random.key_data(self.rng)).tolist(), specials))
+    jit = functools.partial(programs.jit, describe=describe)
+    self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
+    self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
+    self._run = jit("slots_run", fn=self._run_fn, donate_argnums=1)
+    self._results = jit("slots_results", fn=self._results_fn)
+    self._empty = jit("slots_empty", fn=self._empty_fn)
 
   # --- the compiled programs ---------------------------------------------------------------
 
@@ -299,6 +307,6 @@ class SlotStream:
     for row in range(rows):
       ids = batch[row % len(batch)][1]
       src[row, :len(ids)] = ids
-    self._encoded = d._encode(d.params, src, d.width)
+    self._encoded = d._encode(d.params, src)
     self._chunk = collections.deque((row, item, limit, alpha)
                                     for row, (item, _, limit, alpha) in enumerate(batch))

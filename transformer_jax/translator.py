@@ -22,6 +22,7 @@ from absl import logging
 from transformer_jax import errors, sentences, sharding, slots
 from transformer_jax.generation import (SPECIALS, DecodeOptions, InferenceError, encode_sources,
                                         scored, slot_model, strip)
+from transformer_jax.programs import ProgramStore
 from transformer_jax.workdir import Workdir
 
 
@@ -34,11 +35,13 @@ class Translator:
   vocabulary: an ensemble) and translates batches of sentences."""
 
   def __init__(self, workdir: str | Path | Sequence[str | Path], step: int | None = None,
-               ema: bool = True):
+               ema: bool = True, programs: ProgramStore = ProgramStore(None)):
     """`workdir`: one, or several decoded as an ensemble (their log-probabilities averaged at
     every step); the first gives the config (max_len, decoding defaults). `step`: the
     checkpoint to read (every workdir's), default the newest that verifies. `ema`: decode with
-    the parameters' moving average where a run kept one (ema_decay > 0)."""
+    the parameters' moving average where a run kept one (ema_decay > 0). `programs`: where the
+    decoding slots' compiled programs are kept for later commands."""
+    self.programs = programs
     workdirs = [workdir] if isinstance(workdir, (str, Path)) else list(workdir)
     if not workdirs:
       raise InferenceError("no workdir given")
@@ -120,7 +123,7 @@ class Translator:
       params = self.params if len(self.models) == 1 else self.all_params
       self._slot_decoders[key] = slots.SlotDecoder(
           slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size,
-          beam_stop=options.beam_stop)
+          beam_stop=options.beam_stop, programs=self.programs)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,

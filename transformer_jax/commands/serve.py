@@ -133,6 +133,7 @@ def main(argv):
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'transformer_jax[serve]'") from None
+    from transformer_jax.programs import ProgramStore
     from transformer_jax.translator import Translator
     from transformer_jax.workdir import Workdir
     for workdir in FLAGS.workdir:  # The server answers translation requests only.
@@ -140,7 +141,7 @@ def main(argv):
     listening = _listen(FLAGS.host, FLAGS.port)
 
     config = Workdir(FLAGS.workdir[0]).load_config()
-    launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
+    cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
     default_beam = config.decode.beam_size
     settings = Settings(
         beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
@@ -153,7 +154,9 @@ def main(argv):
     if default_beam not in settings.beam_sizes:
       raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
                        f"size ({default_beam}), which requests without beam_size get")
-    service = Service(Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema), settings)
+    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema,
+                            programs=ProgramStore(cache / "programs"))
+    service = Service(translator, settings)
     server = uvicorn.Server(uvicorn.Config(
         create_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
         access_log=False, lifespan="on", timeout_graceful_shutdown=FLAGS.shutdown_timeout,

@@ -34,6 +34,7 @@ from transformer_jax import errors, fs, launch, slots  # noqa: E402
 from transformer_jax.decode import BEAM_STOPS  # noqa: E402
 from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
+from transformer_jax.programs import ProgramStore  # noqa: E402
 from transformer_jax.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
                                         translate_lines)
 from transformer_jax.workdir import Workdir  # noqa: E402
@@ -208,8 +209,9 @@ def main(argv):
                            f"({FLAGS.beam_size}): raise --beam_size")
     if FLAGS.n_best:
       FLAGS.long_beam_size = 0  # The workdir's default: n-best decodes every source alike.
-    launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
-    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema)
+    cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
+    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema,
+                            programs=ProgramStore(cache / "programs"))
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
       raise InferenceError(f"--max_len {FLAGS.max_len} is over {limit}, 4 x the max_len the "

@@ -1,0 +1,56 @@
+"""Traced programs kept on disk (programs.py): a later store runs them without tracing."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax.programs import ProgramStore
+
+pytestmark = pytest.mark.quick
+
+
+def _counted():
+  traces = []
+
+  def fn(state, x):
+    traces.append(1)  # Python runs only while jax traces.
+    return {"sum": state["sum"] + x.sum(), "last": x * 2}
+  return fn, traces
+
+
+def test_a_second_store_runs_the_kept_program_without_tracing(tmp_path):
+  fn, traces = _counted()
+  state, x = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}, jnp.arange(3.0)
+  first = ProgramStore(tmp_path).jit("add", "v1", fn, donate_argnums=0)(state, x)
+  assert len(traces) == 1 and len(list(tmp_path.glob("add-*.jax_export"))) == 1
+
+  fn2, traces2 = _counted()
+  state = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}
+  again = ProgramStore(tmp_path).jit("add", "v1", fn2, donate_argnums=0)(state, x)
+  assert traces2 == []  # Loaded, not traced.
+  np.testing.assert_array_equal(again["last"], first["last"])
+  assert float(again["sum"]) == float(first["sum"]) == 3.0
+
+  assert state["last"].is_deleted()  # Donated, as asked.
+  # Another description, or other shapes, is another program.
+  ProgramStore(tmp_path).jit("add", "v2", fn2)({"sum": jnp.zeros(()), "last": x}, x)
+  ProgramStore(tmp_path).jit("add", "v1", fn2)({"sum": jnp.zeros(()), "last": x}, jnp.arange(4.0))
+  assert len(traces2) == 2 and len(list(tmp_path.glob("add-*.jax_export"))) == 3
+
+
+def test_a_damaged_program_is_traced_again_with_a_warning(tmp_path, caplog):
+  fn, traces = _counted()
+  x = jnp.arange(3.0)
+  ProgramStore(tmp_path).jit("add", "v1", fn)({"sum": jnp.zeros(())}, x)
+  (path,) = tmp_path.glob("add-*.jax_export")
+  path.write_bytes(path.read_bytes()[:100])
+  fn2, traces2 = _counted()
+  out = ProgramStore(tmp_path).jit("add", "v1", fn2)({"sum": jnp.zeros(())}, x)
+  assert float(out["sum"]) == 3.0 and len(traces2) == 1
+  assert "did not load" in caplog.text
+
+
+def test_without_a_directory_nothing_is_kept(tmp_path):
+  fn, traces = _counted()
+  out = ProgramStore(None).jit("add", "v1", fn)({"sum": jnp.zeros(())}, jnp.ones(2))
+  assert float(out["sum"]) == 2.0 and list(tmp_path.iterdir()) == []
