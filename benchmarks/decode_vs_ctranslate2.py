@@ -137,6 +137,8 @@ def main():
     for mode in args.modes.split(","):
       beam = 1 if mode == "greedy" else args.beam_size
       outputs, first, times = {}, {}, {name: [] for name in engines}
+      stepped = lambda: sum(d.rows_stepped for d in translator._slot_decoders.values())
+      rows_stepped = {}
       for name in engines:  # Warm-up: compiles ours for every width (in slots: every
         start = time.perf_counter()  # encoder batch size too, so a whole pass).
         run(name, beam, everything if name == "ours" else warm_up)
@@ -144,9 +146,11 @@ def main():
         print(f"{mode} {name}: warm-up ({len(warm_up)} sources) {first[name]:.1f} s", flush=True)
       for _ in range(args.rounds):
         for name in engines:
-          start = time.perf_counter()
+          start, before = time.perf_counter(), stepped()
           out = run(name, beam, everything)
           times[name].append(time.perf_counter() - start)
+          if name == "ours":  # The decoder rows the slots' steps computed in one pass.
+            rows_stepped[name] = stepped() - before
           assert outputs.setdefault(name, out) == out, f"{name}: another pass, other outputs"
           print(f"{mode} {name}: {times[name][-1]:.1f} s", flush=True)
       for name in engines:
@@ -157,6 +161,8 @@ def main():
                "sentences_per_s": len(lines) / median,
                "target_tokens_per_s": tokens / median,
                "same_as_ours": sum(a == b for a, b in zip(outputs[name], outputs.get("ours", [])))}
+        if name in rows_stepped:
+          row["decoder_rows_stepped"] = rows_stepped[name]
         if references:
           row["bleu"] = sacrebleu.corpus_bleu(outputs[name], [references]).score
         rows.append(row)

@@ -111,6 +111,45 @@ def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam
   assert sum(finished) == len(lengths) and len(finished) > 3  # Many runs, each ending some.
 
 
+@pytest.mark.quick
+def test_run_sizes_halve_down_to_a_sixteenth_of_the_slots():
+  assert slots.run_sizes(128) == [8, 16, 32, 64, 128]
+  assert slots.run_sizes(32) == [2, 4, 8, 16, 32]
+  assert slots.run_sizes(3) == [1, 2, 3]
+  assert slots.run_sizes(1) == [1]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_steps_compute_the_rows_of_the_running_searches_not_of_every_slot(beam_size):
+  """16 slots, 20 sources of 2 to 21 tokens (the counting model: a source of n tokens
+  decodes n steps). The model's cache counts the steps each row computed, and moves with its
+  slot when the running searches are compacted: once the sources are all in, the last,
+  longest searches run in fewer and fewer leading slots. Every output is still right."""
+  lengths = [2 + (7 * i) % 20 for i in range(20)]
+  sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
+  decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 16, 24, 24, SPECIALS,
+                              beam_size=beam_size)
+  sizes = []
+  for size, run in list(decoder._runs.items()):
+    decoder._runs[size] = lambda *args, run=run, size=size: (sizes.append(size), run(*args))[1]
+  stream = slots.SlotStream(decoder)
+  for i, ids in enumerate(sources):
+    stream.put(i, ids, 24, 0.6)
+  results = {}
+  while stream.busy:
+    for item, tokens, _ in stream.advance(min_free=decoder.slots + 1):
+      results[item] = tokens[0]
+  for i, n in enumerate(lengths):
+    assert results[i][:n].tolist() == [5 + j for j in range(n - 1)] + [SPECIALS.eos]
+  assert sizes[:2] == [16, 16] and sizes[-1] == 1 and {8, 4, 2} <= set(sizes)
+  computed = int(np.asarray(stream._state["cache"]["calls"]).sum())
+  assert computed == decoder.rows_stepped
+  busy = sum(lengths) * beam_size  # Row-steps the searches themselves need.
+  # Every slot stepped at every step would be 16 rows x the steps run.
+  assert busy <= computed < 0.8 * decoder.slots * beam_size * decoder.steps_run
+
+
 def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, sources, tmp_path):
   """A decoder whose programs a ProgramStore kept (traced by the first, loaded by the second
   without tracing) decodes what a decoder of plain jax.jit programs does."""
@@ -124,8 +163,11 @@ def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, source
 
   plain = decoder(ProgramStore(None)).decode_all(rows, limits)
   kept = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
-  assert {p.name.split("-")[0] for p in tmp_path.iterdir()} == {
-      "slots_empty", "slots_encode", "slots_refill", "slots_run", "slots_results"}
+  kept_names = {p.name.split("-")[0] for p in tmp_path.iterdir()}
+  assert {"slots_empty", "slots_encode", "slots_refill", "slots_run_3",
+          "slots_results"} <= kept_names <= {"slots_empty", "slots_encode", "slots_refill",
+                                              "slots_results", "slots_compact", "slots_run_1",
+                                              "slots_run_2", "slots_run_3"}
   loaded = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
   for a, b, c in zip(plain, kept, loaded):
     np.testing.assert_array_equal(a[0], b[0])

@@ -422,6 +422,7 @@ class SlotBatcher:
           stream.put(-1 - n, np.array([3] * (width - 1) + [2], np.int32), 2, 0.6)
         while stream.busy:
           stream.advance(min_free=stream.decoder.slots + 1)
+      stream.decoder.compile_runs()
       with self._cond:
         self.shapes_done += 1
     logging.info("compiled the slots of %d widths in %.1f s", len(widths),

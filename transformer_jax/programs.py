@@ -1,14 +1,14 @@
-"""Compiled programs kept whole on disk, so that a later command runs them at once.
+"""Traced programs kept on disk, so that a later command neither traces nor lowers them.
 
 jax's persistent compilation cache saves the compiling, but a command still traces and lowers
 every program to find its cache entry: for the decoding slots of three width classes, several
-seconds of a command's start. A `ProgramStore` keeps the compiled executable itself
-(jax.experimental.serialize_executable), under a key made of what the program is (its name,
-the caller's description of what it closes over, its arguments' shapes and types) and of what
-built it (jax and jaxlib, the device, XLA_FLAGS and this package's source code): a later
-process with the same key loads it and neither traces nor compiles. A program the store cannot
-write or read back (a file cut short, another jax) is compiled as usual, with a warning.
-"""
+seconds of a command's start. A `ProgramStore` keeps each program as jax.export serializes it
+(StableHLO and its calling convention), under a key made of what the program is (its name, the
+caller's description of what it closes over, its arguments' shapes and types) and of what built
+it (jax and jaxlib, the device, XLA_FLAGS and this package's source code): a later process with
+the same key loads it instead of tracing, and the compilation cache gives its executable. A
+program the store cannot write or read back (a file cut short, another jax) is traced as usual,
+with a warning."""
 
 from __future__ import annotations
 

@@ -11,10 +11,16 @@ drives (`decode_all`):
   refill(state, ...)           free slots (empty, or their search ended) take new sources
   run(state, min_free, steps)  steps every search until `min_free` slots are free, none runs,
                                or `steps` steps are done
+  compact(state, order)        the slots reordered (the active ones first)
 
 Each program is compiled once for the decoder's shape (slots, source width, output length,
 beam size), whatever the traffic and the length penalty (each search has its own alpha);
-`encode` once per source width it meets. A `SlotStream` feeds one decoder: sources are put in
+`encode` once per source width it meets, `run` once per active size it meets: a run steps only
+the first `rows` slots, the smallest of the sizes `slots`, `slots` / 2, ... (down to
+`slots` / 16) that holds every active search, so a step costs as many rows as are busy, not as
+many as were allocated (a server's few clients, a file's last sentences). New searches take the
+lowest free slots, and when the searches still running would fit a smaller size, a `compact`
+program moves them to the first slots. A `SlotStream` feeds one decoder: sources are put in
 as they come (a file's, or a server's requests') and come out as they finish. A sentence's
 tokens and scores are those the batch decoders give it (its output limit is its own: the
 caller's `limits`); sampling draws each sentence's tokens from keys of its item number and
@@ -64,6 +70,22 @@ class SlotModel:
   describe: str = ""  # What the functions close over (the model's config), for ProgramStore.
 
 
+# The smallest active size a run program is compiled for, as a fraction of the slots.
+MIN_ROWS_FRACTION = 16
+
+
+def run_sizes(slots: int) -> list[int]:
+  """The active sizes (leading slots a run steps) of a decoder of `slots` slots, ascending:
+  `slots` halved down to `slots` / MIN_ROWS_FRACTION (at least 1)."""
+  sizes, size = [], slots
+  while size >= max(1, slots // MIN_ROWS_FRACTION):
+    sizes.append(size)
+    if size == 1:
+      break
+    size = -(-size // 2)
+  return sorted(set(sizes))
+
+
 def _where(mask: jax.Array, new, old):
   """Per leading index: `new`'s rows where `mask` [U], else `old`'s (pytrees alike)."""
   return jax.tree.map(lambda n, o: jnp.where(mask.reshape(-1, *[1] * (o.ndim - 1)), n, o),
@@ -88,9 +110,22 @@ class SlotDecoder:
     jit = functools.partial(programs.jit, describe=describe)
     self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
-    self._run = jit("slots_run", fn=self._run_fn, donate_argnums=1)
+    self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
+    self.run_sizes = run_sizes(slots)
+    self._runs = {rows: jit(f"slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
+                            donate_argnums=1) for rows in self.run_sizes}
     self._results = jit("slots_results", fn=self._results_fn)
+    self.steps_run = 0  # Decoder steps its streams ran so far,
+    self.rows_stepped = 0  # and the decoder rows those steps computed (run size x beam size).
     self._empty = jit("slots_empty", fn=self._empty_fn)
+
+  def compile_runs(self) -> None:
+    """Compiles (or loads) the run program of every active size and `compact` now, not when
+    traffic first needs them (a server's warm-up)."""
+    state = self._empty(self.params)
+    for run in self._runs.values():
+      state, _, _ = run(self.params, state, np.int32(0), np.int32(0))
+    jax.block_until_ready(self._compact(state, np.arange(self.slots, dtype=np.int32)))
 
   # --- the compiled programs ---------------------------------------------------------------
 
@@ -142,6 +177,21 @@ class SlotDecoder:
     state.update(_where(fill, fresh, {key: state[key] for key in fresh}))
     return state
 
+  def _compact_fn(self, state, order):
+    """Slot u takes what slot order[u] held (a permutation of the slots)."""
+    rows = (order[:, None] * self.k + jnp.arange(self.k)[None, :]).reshape(-1)
+    state = dict(state)
+    cache = state.pop("cache")
+    state = jax.tree.map(lambda x: jnp.take(x, order, axis=0), state)
+    state["cache"] = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+    return state
+
+  def _prefix(self, state, rows: int):
+    """The state of the first `rows` slots (their cache's first rows * K rows)."""
+    cut = lambda n: (lambda x: jax.lax.slice_in_dim(x, 0, n, axis=0))
+    return {key: jax.tree.map(cut(rows * self.k if key == "cache" else rows), value)
+            for key, value in state.items()}
+
   def _finished(self, state) -> jax.Array:
     """[U]: the active searches that ended (or reached their limit)."""
     at_limit = state["t"] >= state["limits"]
@@ -152,9 +202,20 @@ class SlotDecoder:
       ended = decode.beam_done((None, *state["beams"], None), penalty, self.beam_stop)
     return state["active"] & (ended | at_limit)
 
-  def _run_fn(self, params, state, min_free, max_steps):
+  def _run_fn(self, params, state, min_free, max_steps, rows: int):
     """Steps every active search until at least `min_free` slots are free or finished, until
-    no search runs, or for `max_steps` steps: (state, the searches finished [U])."""
+    no search runs, or for `max_steps` steps: (state, the searches finished [U], the steps
+    run). Only the first `rows` slots are stepped: every active search must be among them."""
+    if rows == self.slots:
+      return self._loop(params, state, min_free, max_steps)
+    part, finished, steps = self._loop(params, self._prefix(state, rows),
+                                       min_free - (self.slots - rows), max_steps)
+    put = lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, axis=0)
+    state = jax.tree.map(put, state, part)
+    return state, jnp.zeros((self.slots,), bool).at[:rows].set(finished), steps
+
+  def _loop(self, params, state, min_free, max_steps):
+    """`_run_fn` over every slot of `state` (all of the decoder's, or its first ones)."""
     model, k = self.model, self.k
 
     def cond(carry):
@@ -191,9 +252,9 @@ class SlotDecoder:
       state["t"] = t + running
       return state
 
-    _, state, finished = jax.lax.while_loop(cond, body, (jnp.int32(0), state,
-                                                         self._finished(state)))
-    return state, finished
+    steps, state, finished = jax.lax.while_loop(cond, body, (jnp.int32(0), state,
+                                                             self._finished(state)))
+    return state, finished, steps
 
   def _results_fn(self, state):
     """(tokens [U, K, L], scores [U, K]) of every slot, as decode.py's batch decoders give them
@@ -286,14 +347,31 @@ class SlotStream:
         items[slot] = self._item[slot] = item
         self._active[slot] = True
       self._state = d._refill(self._state, self._encoded, take, limits, items, alpha)
-    self._state, finished = d._run(d.params, self._state, np.int32(min_free),
-                                   np.int32(max_steps or d.max_len))
+    rows = self._compacted()
+    smaller = [size for size in d.run_sizes if size < rows]
+    if smaller:  # Back once the searches still running fit the next smaller size.
+      min_free = min(min_free, d.slots - smaller[-1])
+    self._state, finished, steps = d._runs[rows](d.params, self._state, np.int32(min_free),
+                                                 np.int32(max_steps or d.max_len))
+    d.steps_run += int(steps)
+    d.rows_stepped += int(steps) * rows * d.k
     finished = np.asarray(finished) & self._active
     if not finished.any():
       return []
     tokens, scores = map(np.asarray, d._results(self._state))
     self._active &= ~finished
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
+
+  def _compacted(self) -> int:
+    """The smallest run size that holds the active searches, after moving them to the first
+    slots if one lies beyond it."""
+    d = self.decoder
+    rows = next(size for size in d.run_sizes if size >= self._active.sum())
+    if self._active[rows:].any():
+      order = np.concatenate([np.flatnonzero(self._active), np.flatnonzero(~self._active)])
+      self._state = d._compact(self._state, order.astype(np.int32))
+      self._active, self._item = self._active[order], self._item[order]
+    return rows
 
   def _encode_next(self) -> None:
     """Encodes the next queued sources, at most `slots`, as one batch of the width of its
