@@ -69,6 +69,7 @@ def main():
                       help="ours: translate's decoding slots (--slots); ours-batches: its "
                       "fixed batches (--batch_size, --batch_tokens); ct2-float32, ct2-int8.")
   parser.add_argument("--slots", default="auto", help="ours' decoding slots: 'auto' or a count.")
+  parser.add_argument("--lanes", default="auto", help="ours' streams of slots: 'auto' or a count.")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
@@ -92,6 +93,8 @@ def main():
     lines = lines[:args.limit]
     references = references and references[:args.limit]
   translator = Translator(args.workdir)
+  if args.lanes != "auto":
+    translator.lanes = int(args.lanes)
   alpha = translator.config.decode.alpha if args.alpha is None else args.alpha
   sp = spm.SentencePieceProcessor(model_proto=translator.tokenizers.src.model_proto)
   sources = [sp.encode(line, out_type=str) for line in lines]
@@ -171,7 +174,7 @@ def main():
   header = (f"{cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; jax "
             f"{jax.__version__}, ctranslate2 {_version('ctranslate2')}; {len(lines)} sources of "
             f"{Path(args.input).name}; step {translator.step} of {Path(args.workdir).name}; "
-            f"alpha {alpha}; ours: --slots {args.slots}; ours-batches: batches of "
+            f"alpha {alpha}; ours: --slots {args.slots}, {translator.lanes} lanes; ours-batches: batches of "
             f"{args.batch_size} sentences, {args.batch_tokens} tokens (beam search "
             f"{BEAM_BUDGET}x that); "
             f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"

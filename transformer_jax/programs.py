@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from absl import logging
@@ -53,18 +54,24 @@ class ProgramStore:
   def jit(self, name: str, describe: str, fn: Callable, **jit_args) -> Callable:
     """jax.jit(fn, **jit_args), its programs kept under `name` and `describe`: a description of
     everything the function closes over (sizes, settings, constants) that its arguments' shapes
-    do not say."""
+    do not say. Threads may call it at once: each program is compiled by one of them."""
     jitted = jax.jit(fn, **jit_args)
-    if self.directory is None:
-      return jitted
-    loaded: dict[str, Any] = {}
+    ready: dict[str, Callable] = {}  # By signature: the programs compiled (or loaded).
+    lock = threading.Lock()
 
     def call(*args):
       signature = _signature(args)
-      program = loaded.get(signature)
-      if program is None:
-        program = loaded[signature] = self._program(name, describe, signature, jitted,
-                                                    jit_args, args)
+      program = ready.get(signature)
+      if program is not None:
+        return program(*args)
+      with lock:  # Threads that meet a program first at once: one compiles it, the rest wait.
+        program = ready.get(signature)
+        if program is None:
+          program = (jitted if self.directory is None else
+                     self._program(name, describe, signature, jitted, jit_args, args))
+          out = program(*args)  # Compiles (or loads) it.
+          ready[signature] = program
+          return out
       return program(*args)
     return call
 

@@ -63,6 +63,8 @@ class Translator:
     self.max_src_len = min(max_lens)  # Sources longer than a member's max_len are truncated.
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     self._slot_decoders: dict[tuple, slots.SlotDecoder] = {}
+    # Streams of slots that decode a file at once (decode_slots): the device's default.
+    self.lanes = slots.default_lanes(jax.default_backend())
 
   @property
   def model(self):
@@ -130,7 +132,8 @@ class Translator:
                    progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token ids with <eos> (unpadded, at most max_len) -> [(tokens [K, L], scores [K])], as
     `decode` gives each in a batch of its own width (output limit: its width rounded up to 8 +
-    options.max_len_margin, or options.max_len), through `num_slots` decoding slots.
+    options.max_len_margin, or options.max_len), through `self.lanes` streams of `num_slots`
+    decoding slots each.
 
     Sources go to the slots of the narrowest of SLOT_WIDTHS (then the model's max_len) that
     holds them, the widest class first: a step's attention and a beam's cache reordering cost
@@ -144,7 +147,7 @@ class Translator:
                 for i in members]
       decoder = self.slot_decoder(options, num_slots, width)
       out = decoder.decode_all([sources[i] for i in members], limits, options.alpha,
-                               progress=progress)
+                               progress=progress, lanes=self.lanes)
       for i, result in zip(members, out):
         results[i] = result
     return results

@@ -124,6 +124,9 @@ def define_flags():
                       "end (continuous batching; a beam of B is one slot of B rows). 'auto': "
                       "as many as suit this device and beam size; 0: fixed batches "
                       "(--batch_size, --batch_tokens) instead.")
+  flags.DEFINE_string("lanes", "auto", "With slots: streams of slots that decode the input at "
+                      "once, each in a thread of its own. 'auto': as many as suit this device "
+                      "(2 on a CPU, 1 on a GPU or TPU); or a count.")
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
                       "later command loads the decoder instead of compiling it); default: the "
                       "training run's (run.compilation_cache_dir, or WORKDIR/jax_cache).")
@@ -174,6 +177,8 @@ def main(argv):
     if FLAGS.slots != "auto" and not (FLAGS.slots.isdigit()):
       raise InferenceError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
                            f"{FLAGS.slots!r}")
+    if FLAGS.lanes != "auto" and not (FLAGS.lanes.isdigit() and int(FLAGS.lanes) > 0):
+      raise InferenceError(f"--lanes must be 'auto' or a positive count, got {FLAGS.lanes!r}")
     if FLAGS.n_best < 0:
       raise InferenceError(f"--n_best must be 0 (off) or positive, got {FLAGS.n_best}")
     if FLAGS.n_best and FLAGS.long_beam_size:
@@ -212,6 +217,8 @@ def main(argv):
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema,
                             programs=ProgramStore(cache / "programs"))
+    if FLAGS.lanes != "auto":
+      translator.lanes = int(FLAGS.lanes)
     limit = translator.max_output_len
     if FLAGS.max_len > limit:
       raise InferenceError(f"--max_len {FLAGS.max_len} is over {limit}, 4 x the max_len the "
