@@ -198,6 +198,8 @@ def main() -> None:
   results, reference = {}, None
   for mode in args.modes.split(","):
     port = portpicker.pick_unused_port()
+    if args.logs:
+      Path(args.logs).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.logs) / f"serve_{mode}.log", "w") if args.logs else subprocess.DEVNULL
     server = start_server(args.workdir, port, *flags[mode], *args.server_flags.split(), log=log)
     try:

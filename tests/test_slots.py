@@ -112,6 +112,41 @@ def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_lanes_decode_every_source_as_one_stream_does(beam_size):
+  """Two and three lanes (streams stepping at once in threads of their own) give every
+  sentence what one stream gives it, and compute no more decoder rows than the searches need
+  beyond one stream's tails."""
+  lengths = [9, 2, 5, 3, 12, 4, 7, 2, 6, 3, 10, 5, 8, 11, 2, 4]
+  sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
+  decoder = slots.SlotDecoder(_counting_model(), None, 4, 16, 20, SPECIALS, beam_size=beam_size)
+  one = decoder.decode_all(sources, [20] * len(sources))
+  for lanes in (2, 3):
+    finished = []
+    got = decoder.decode_all(sources, [20] * len(sources), progress=finished.append,
+                             lanes=lanes)
+    assert sum(finished) == len(sources)
+    for (a_tokens, a_scores), (b_tokens, b_scores) in zip(one, got):
+      np.testing.assert_array_equal(a_tokens, b_tokens)
+      np.testing.assert_array_equal(a_scores, b_scores)
+
+
+@pytest.mark.quick
+def test_an_error_in_one_lane_stops_the_others_and_is_raised():
+  sources = [np.array([7] * 11 + [SPECIALS.eos], np.int32) for _ in range(40)]
+  decoder = slots.SlotDecoder(_counting_model(), None, 2, 16, 20, SPECIALS)
+  calls = []
+
+  def progress(n):
+    calls.append(n)
+    raise RuntimeError("the output file's disk is full")
+
+  with pytest.raises(RuntimeError, match="disk is full"):
+    decoder.decode_all(sources, [20] * len(sources), progress=progress, lanes=2)
+  assert len(calls) <= 4  # Each lane stopped at its next run, not at the end of its sources.
+
+
+@pytest.mark.quick
 def test_run_sizes_halve_down_to_a_sixteenth_of_the_slots():
   assert slots.run_sizes(128) == [8, 16, 32, 64, 128]
   assert slots.run_sizes(32) == [2, 4, 8, 16, 32]
@@ -150,8 +185,8 @@ def test_steps_compute_the_rows_of_the_running_searches_not_of_every_slot(beam_s
   assert busy <= computed < 0.8 * decoder.slots * beam_size * decoder.steps_run
 
 
-def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, sources, tmp_path):
-  """A decoder whose programs a ProgramStore kept (traced by the first, loaded by the second
+def test_slot_programs_kept_on_disk_decode_as_the_compiled_ones(translator, sources, tmp_path):
+  """A decoder whose programs a ProgramStore kept (compiled by the first, loaded by the second
   without tracing) decodes what a decoder of plain jax.jit programs does."""
   src, rows = _rows(translator, sources[:10])
   width = src.shape[1]

@@ -310,8 +310,9 @@ class Batcher:
 
 
 class SlotBatcher:
-  """Batcher's interface over decoding slots (slots.py): a thread per beam size keeps one
-  `SlotStream` per class of source widths, and a request's pieces enter free slots of their
+  """Batcher's interface over decoding slots (slots.py): one `SlotStream` per beam size and
+  class of source widths, each driven by a thread of its own (so the classes step at once, on
+  a CPU's cores as on one accelerator's queue). A request's pieces enter free slots of their
   class as soon as they come, each leaving (and its request answered, once all its pieces
   have) as soon as its search ends; no piece waits for a batch to fill or to finish.
   `stream(beam_size, width)` makes the stream of a beam size for sources of up to `width`
@@ -324,7 +325,7 @@ class SlotBatcher:
     self._stream, self.widths, self.max_queue = stream, sorted(widths), max_queue
     self.margin, self.max_steps = margin, max_steps
     self._cond = threading.Condition()
-    self._queues: dict[int, collections.deque[Piece]] = {}
+    self._queues: dict[tuple[int, int], collections.deque[Piece]] = {}  # By (beam, class).
     self._stopping = False
     self._threads: list[threading.Thread] = []
     self.shapes_total = self.shapes_done = 0
@@ -334,16 +335,17 @@ class SlotBatcher:
     self._warm = 0
 
   def start(self, kinds: Sequence[tuple[int, int]]) -> None:
-    """One thread per beam size of `kinds` ((width, beam size) pairs): each compiles its
-    streams' programs for every width, then serves."""
-    beams = sorted({k for _, k in kinds})
+    """One thread per beam size and width class of `kinds` ((width, beam size) pairs): each
+    compiles its stream's programs for the widths of its class, then serves."""
     self.shapes_total = len(kinds)
-    self._queues = {k: collections.deque() for k in beams}
-    for k in beams:
-      widths = [w for w, kk in kinds if kk == k]
-      thread = threading.Thread(target=self._main, args=(k, widths), name=f"slots-beam{k}",
-                                daemon=True)
+    classes = sorted({(k, self._class(w)) for w, k in kinds})
+    self._queues = {key: collections.deque() for key in classes}
+    for k, cls in classes:
+      widths = sorted(w for w, kk in kinds if kk == k and self._class(w) == cls)
+      thread = threading.Thread(target=self._main, args=(k, cls, widths),
+                                name=f"slots-beam{k}-width{cls}", daemon=True)
       self._threads.append(thread)
+    for thread in self._threads:
       thread.start()
 
   def stop(self) -> None:
@@ -366,42 +368,36 @@ class SlotBatcher:
 
   def _append(self, pieces: list[Piece]) -> None:
     for piece in pieces:
-      self._queues[piece.kind.beam_size].append(piece)
+      self._queues[piece.kind.beam_size, self._class(piece.kind.width)].append(piece)
 
   def _class(self, width: int) -> int:
     return next(w for w in self.widths if width <= w)
 
-  def _main(self, beam_size: int, widths: list[int]) -> None:
-    queue, pieces, number = self._queues[beam_size], {}, 0
+  def _main(self, beam_size: int, width: int, widths: list[int]) -> None:
+    queue, pieces, number = self._queues[beam_size, width], {}, 0
     try:
-      streams = {w: self._stream(beam_size, w) for w in self.widths}
-      self._warm_up(streams, widths)
+      stream = self._stream(beam_size, width)
+      self._warm_up(stream, widths)
       while True:
         with self._cond:
-          busy = lambda: any(s.busy for s in streams.values())
-          while not queue and not busy() and not self._stopping:
+          while not queue and not stream.busy and not self._stopping:
             self._cond.wait()
-          if not queue and not busy():
+          if not queue and not stream.busy:
             return  # Stopping, and nothing is left.
-          # Pieces wait here (counted against max_queue) until a slot of their class is free.
-          for piece in list(queue):
-            stream = streams[self._class(piece.kind.width)]
-            if stream.decoder.slots > stream.running + stream.waiting:
-              queue.remove(piece)
-              number += 1
-              pieces[number] = piece
-              stream.put(number, np.asarray(piece.ids, np.int32),
-                         piece.kind.width + self.margin, piece.kind.alpha)
-        for stream in streams.values():
-          if not stream.busy:
-            continue
-          start = time.monotonic()
-          free = stream.decoder.slots - stream.running
-          finished = stream.advance(min_free=1 if stream.waiting else free + 1,
-                                    max_steps=self.max_steps)
-          if finished:
-            self._finish(pieces, finished, time.monotonic() - start,
-                         stream.running + len(finished))
+          # Pieces wait here (counted against max_queue) until a slot is free.
+          while queue and stream.decoder.slots > stream.running + stream.waiting:
+            piece = queue.popleft()
+            number += 1
+            pieces[number] = piece
+            stream.put(number, np.asarray(piece.ids, np.int32),
+                       piece.kind.width + self.margin, piece.kind.alpha)
+        start = time.monotonic()
+        free = stream.decoder.slots - stream.running
+        finished = stream.advance(min_free=1 if stream.waiting else free + 1,
+                                  max_steps=self.max_steps)
+        if finished:
+          self._finish(pieces, finished, time.monotonic() - start,
+                       stream.running + len(finished))
     except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
       logging.exception("a decoder thread stopped")
       with self._cond:
@@ -412,24 +408,24 @@ class SlotBatcher:
       for job in jobs:
         job.future.set_exception(e)
 
-  def _warm_up(self, streams: dict, widths: list[int]) -> None:
-    """Compiles the streams' programs (each encoder width and batch size) before serving."""
+  def _warm_up(self, stream, widths: list[int]) -> None:
+    """Compiles the stream's programs (each encoder width and batch size, every run size)
+    before serving."""
     start = time.monotonic()
     for width in widths:
-      stream = streams[self._class(width)]
       for count in (1, stream.decoder.slots):  # Both encoder batch sizes.
         for n in range(count):
           stream.put(-1 - n, np.array([3] * (width - 1) + [2], np.int32), 2, 0.6)
         while stream.busy:
           stream.advance(min_free=stream.decoder.slots + 1)
-      stream.decoder.compile_runs()
       with self._cond:
         self.shapes_done += 1
+    stream.decoder.compile_runs()
     logging.info("compiled the slots of %d widths in %.1f s", len(widths),
                  time.monotonic() - start)
     with self._cond:
       self._warm += 1
-      self.ready = self._warm == len(self._queues)
+      self.ready = self._warm == len(self._threads)
 
   def _finish(self, pieces: dict, finished, seconds: float, rows: int) -> None:
     """Answers the pieces that `finished` (a run that held `rows` searches, in `seconds`)."""

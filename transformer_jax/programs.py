@@ -1,48 +1,67 @@
-"""Traced programs kept on disk, so that a later command neither traces nor lowers them.
+"""Compiled programs kept on disk, so that a later command runs them at once.
 
 jax's persistent compilation cache saves the compiling, but a command still traces and lowers
 every program to find its cache entry: for the decoding slots of three width classes, several
-seconds of a command's start. A `ProgramStore` keeps each program as jax.export serializes it
-(StableHLO and its calling convention), under a key made of what the program is (its name, the
-caller's description of what it closes over, its arguments' shapes and types) and of what built
-it (jax and jaxlib, the device, XLA_FLAGS and this package's source code): a later process with
-the same key loads it instead of tracing, and the compilation cache gives its executable. A
-program the store cannot write or read back (a file cut short, another jax) is traced as usual,
-with a warning."""
+seconds of a command's start. A `ProgramStore` keeps the compiled executable itself
+(jax.experimental.serialize_executable), under a key made of what the program is (its name,
+the caller's description of what it closes over, its arguments' shapes and types) and of what
+built it (jax and jaxlib, the device, this CPU's model and instruction sets, XLA_FLAGS and this
+package's source code): a later process with the same key loads it and neither traces, lowers
+nor compiles. A program the store cannot write or read back (a file cut short, another jax) is
+compiled as usual, with a warning. The files are pickles: keep the directory as private as the
+workdir it belongs to.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import pickle
+import platform
 import threading
 from pathlib import Path
 from typing import Callable
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import serialize_executable
 
 from transformer_jax import fs
 
 
 @functools.cache
 def _build_key() -> str:
-  """What built a program: jax, jaxlib, the devices, XLA_FLAGS and this package's code."""
+  """What built a program: jax, jaxlib, the devices, the host CPU (an executable compiled for
+  its instruction sets), XLA_FLAGS and this package's code."""
   digest = hashlib.sha256()
   device = jax.devices()[0]
   for part in (jax.__version__, jax.lib.__version__, device.platform, device.device_kind,
-               str(jax.device_count()), os.environ.get("XLA_FLAGS", "")):
+               str(jax.device_count()), platform.machine(), _cpu_flags(),
+               os.environ.get("XLA_FLAGS", "")):
     digest.update(part.encode() + b"\0")
   for path in sorted(Path(__file__).parent.rglob("*.py")):
     digest.update(path.read_bytes())
   return digest.hexdigest()
 
 
-def _signature(args) -> str:
+def _cpu_flags() -> str:
+  """The host CPU's model and instruction-set flags (Linux), else its name."""
+  try:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return platform.processor()
+  return "\n".join(sorted({line for line in lines
+                           if line.startswith(("model name", "flags", "Features"))}))
+
+
+def _signature(args) -> tuple:
+  """What tells programs of one function apart: the arguments' tree, shapes and types (read
+  off the arrays, not through jax.typeof: this runs at every call)."""
   leaves, tree = jax.tree.flatten(args)
-  shapes = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
-            for x in map(jax.typeof, leaves)]
-  return repr((tree, shapes))
+  return tree, tuple((np.shape(x), np.result_type(x).name, getattr(x, "weak_type", False))
+                     for x in leaves)
 
 
 class ProgramStore:
@@ -56,7 +75,7 @@ class ProgramStore:
     everything the function closes over (sizes, settings, constants) that its arguments' shapes
     do not say. Threads may call it at once: each program is compiled by one of them."""
     jitted = jax.jit(fn, **jit_args)
-    ready: dict[str, Callable] = {}  # By signature: the programs compiled (or loaded).
+    ready: dict[tuple, Callable] = {}  # By signature: the programs compiled (or loaded).
     lock = threading.Lock()
 
     def call(*args):
@@ -68,27 +87,29 @@ class ProgramStore:
         program = ready.get(signature)
         if program is None:
           program = (jitted if self.directory is None else
-                     self._program(name, describe, signature, jitted, jit_args, args))
+                     self._program(name, describe, signature, jitted, args))
           out = program(*args)  # Compiles (or loads) it.
           ready[signature] = program
           return out
       return program(*args)
     return call
 
-  def _program(self, name: str, describe: str, signature: str, jitted, jit_args: dict, args):
-    key = hashlib.sha256("\0".join((_build_key(), name, describe, signature)).encode())
-    path = self.directory / f"{name}-{key.hexdigest()[:40]}.jax_export"
-    exported = None
+  def _program(self, name: str, describe: str, signature: tuple, jitted, args):
+    """The compiled program of `jitted` for `args`: loaded from the directory, else compiled
+    and kept there."""
+    key = hashlib.sha256("\0".join((_build_key(), name, describe, repr(signature))).encode())
+    path = self.directory / f"{name}-{key.hexdigest()[:40]}.executable"
     if path.exists():
       try:
-        exported = jax.export.deserialize(bytearray(path.read_bytes()))
-      except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is traced again.
-        logging.warning("tracing %s again: its kept program %s did not load (%s)", name, path, e)
-    if exported is None:
-      exported = jax.export.export(jitted)(*args)
-      try:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fs.replace_file(path, exported.serialize())
-      except OSError as e:  # Keeping it is an optimization, never a failure.
-        logging.warning("could not keep the traced %s in %s (%s)", name, self.directory, e)
-    return jax.jit(exported.call, **jit_args)
+        return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+      except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is compiled again.
+        logging.warning("compiling %s again: its kept program %s did not load (%s)", name, path,
+                        e)
+    compiled = jitted.lower(*args).compile()
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      fs.replace_file(path, pickle.dumps(serialize_executable.serialize(compiled)))
+    except (OSError, ValueError, TypeError, pickle.PicklingError) as e:
+      # Keeping it is an optimization, never a failure.
+      logging.warning("could not keep the compiled %s in %s (%s)", name, self.directory, e)
+    return compiled
