@@ -28,10 +28,14 @@ from typing import Any
 
 import ml_collections
 
-from transformer_jax.decode import BEAM_STOPS
 from transformer_jax.errors import UserError
 
 SCHEDULES = ("rsqrt", "cosine", "constant")
+# When a beam search ends (decode.py). "exact": once no live beam can beat the K finished ones
+# (the best translation the beam can find; a search with a length penalty often runs to its
+# limit). "first_k": once K hypotheses have ended, each an <eos> among the step's K best
+# candidates (CTranslate2's rule with patience 1): far fewer steps, the best of those K kept.
+BEAM_STOPS = ("exact", "first_k")
 
 
 class ConfigError(UserError, ValueError):
@@ -322,7 +326,7 @@ class DecodeConfig(_Section):
   segment_over: int = 16  # Sources of more tokens are translated sentence by sentence (-1: none).
   long_beam_size: int = 0  # Beam size for sources (or sentences) over long_over tokens; 0: off.
   long_over: int = 16
-  # When a beam search ends (decode.BEAM_STOPS): "first_k" once K hypotheses have ended, as
+  # When a beam search ends (BEAM_STOPS above): "first_k" once K hypotheses have ended, as
   # CTranslate2 does; "exact" once no live beam can beat the finished ones (more steps).
   beam_stop: str = "first_k"
 

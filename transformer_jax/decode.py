@@ -24,15 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from transformer_jax.config import BEAM_STOPS  # When a beam search ends.
+
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 NEG_INF = -1e9
 
-# When a beam search ends. "exact": once no live beam can beat the K finished ones (the best
-# translation the beam can find; a search with a length penalty often runs to its limit).
-# "first_k": once K hypotheses have ended, each an <eos> among the step's K best candidates
-# (CTranslate2's rule with patience 1): far fewer steps, the best of those K kept.
-BEAM_STOPS = ("exact", "first_k")
 
 
 @dataclasses.dataclass(frozen=True)
