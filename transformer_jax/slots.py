@@ -4,7 +4,7 @@ which sentences enter as others end, so that every decoder step computes rows st
 A batch decoder (decode.py) runs a batch until its longest output ends: the rows that ended
 earlier go on computing padding, and a beam search waits for its slowest sentence. Here a
 `SlotDecoder` keeps `slots` searches (one row each greedy or sampled, K rows for a beam of K),
-each with its own step, output limit and source, and three compiled programs that a host loop
+each with its own step, output limit and source, and four compiled programs that a host loop
 drives (`decode_all`):
 
   encode(params, src [P, w])   the next P sources' encodings, padded to the slots' width
@@ -21,7 +21,9 @@ the first `rows` slots, the smallest of the sizes `slots`, `slots` / 2, ... (dow
 many as were allocated (a server's few clients, a file's last sentences). New searches take the
 lowest free slots, and when the searches still running would fit a smaller size, a `compact`
 program moves them to the first slots. A `SlotStream` feeds one decoder: sources are put in
-as they come (a file's, or a server's requests') and come out as they finish. A sentence's
+as they come (a file's, or a server's requests') and come out as they finish; several streams
+of one decoder (each with its own state) may run in threads of their own at once, sharing its
+programs (`decode_all`'s lanes). A sentence's
 tokens and scores are those the batch decoders give it (its output limit is its own: the
 caller's `limits`); sampling draws each sentence's tokens from keys of its item number and
 step (decode.row_keys), so they do not depend on its neighbours either.
