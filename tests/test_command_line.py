@@ -31,6 +31,8 @@ def test_help_lists_the_commands_flags_and_exits_0(command):
      "error: flag --beam_size=abc: invalid literal for int() with base 10: 'abc'"),
     (["serve", "--workdir=w", "--port=x"],
      "error: flag --port=x: invalid literal for int() with base 10: 'x'"),
+    (["translate", "--workdir=w", "--lanes=0", "Hi."],
+     "error: --lanes must be 'auto' or a positive count, got '0'"),
     (["export", "--workdir=w", "--to=onnx", "out"],
      "error: flag --to=onnx: value should be one of <ctranslate2|jax>"),
 ])
