@@ -1,5 +1,4 @@
-"""Compiled programs kept on disk (programs.py): a later store runs them without tracing
-or compiling."""
+"""Traced programs kept on disk (programs.py): a later store runs them without tracing."""
 
 import threading
 
@@ -25,7 +24,7 @@ def test_a_second_store_runs_the_kept_program_without_tracing(tmp_path):
   fn, traces = _counted()
   state, x = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}, jnp.arange(3.0)
   first = ProgramStore(tmp_path).jit("add", "v1", fn, donate_argnums=0)(state, x)
-  assert len(traces) == 1 and len(list(tmp_path.glob("add-*.executable"))) == 1
+  assert len(traces) == 1 and len(list(tmp_path.glob("add-*.jax_export"))) == 1
 
   fn2, traces2 = _counted()
   state = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}
@@ -38,14 +37,14 @@ def test_a_second_store_runs_the_kept_program_without_tracing(tmp_path):
   # Another description, or other shapes, is another program.
   ProgramStore(tmp_path).jit("add", "v2", fn2)({"sum": jnp.zeros(()), "last": x}, x)
   ProgramStore(tmp_path).jit("add", "v1", fn2)({"sum": jnp.zeros(()), "last": x}, jnp.arange(4.0))
-  assert len(traces2) == 2 and len(list(tmp_path.glob("add-*.executable"))) == 3
+  assert len(traces2) == 2 and len(list(tmp_path.glob("add-*.jax_export"))) == 3
 
 
-def test_a_damaged_program_is_compiled_again_with_a_warning(tmp_path, caplog):
+def test_a_damaged_program_is_traced_again_with_a_warning(tmp_path, caplog):
   fn, traces = _counted()
   x = jnp.arange(3.0)
   ProgramStore(tmp_path).jit("add", "v1", fn)({"sum": jnp.zeros(())}, x)
-  (path,) = tmp_path.glob("add-*.executable")
+  (path,) = tmp_path.glob("add-*.jax_export")
   path.write_bytes(path.read_bytes()[:100])
   fn2, traces2 = _counted()
   out = ProgramStore(tmp_path).jit("add", "v1", fn2)({"sum": jnp.zeros(())}, x)

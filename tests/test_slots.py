@@ -185,8 +185,8 @@ def test_steps_compute_the_rows_of_the_running_searches_not_of_every_slot(beam_s
   assert busy <= computed < 0.8 * decoder.slots * beam_size * decoder.steps_run
 
 
-def test_slot_programs_kept_on_disk_decode_as_the_compiled_ones(translator, sources, tmp_path):
-  """A decoder whose programs a ProgramStore kept (compiled by the first, loaded by the second
+def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, sources, tmp_path):
+  """A decoder whose programs a ProgramStore kept (traced by the first, loaded by the second
   without tracing) decodes what a decoder of plain jax.jit programs does."""
   src, rows = _rows(translator, sources[:10])
   width = src.shape[1]

@@ -34,7 +34,7 @@ class Completer:
   @functools.partial(jax.jit, static_argnums=(0, 4, 5))
   def _continue(self, params, prompts, lengths, max_new, sampler, rng):
     return continue_prompts(self.model, params, prompts, lengths, self.max_len, max_new,
-                            sampler, rng)
+                            sampler, rng, vocab=self.tokenizer.vocab_size)
 
   def encode(self, prompts: list[str]) -> list[list[int]]:
     """<bos> + each prompt's ids; a prompt that leaves no room to generate is an error."""

@@ -180,7 +180,8 @@ def strip(tokens) -> list[int]:
 
 
 def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: int,
-                     max_new: int, sampler=decode.Greedy(), rng=None, items=None):
+                     max_new: int, sampler=decode.Greedy(), rng=None, items=None,
+                     vocab: int | None = None):
   """A language model's continuations of prompts, in one `lax.while_loop` over a preallocated
   cache of `total_len` positions.
 
@@ -190,6 +191,8 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     total_len: the cache's positions (the model's max_len at most: learned positions).
     max_new: tokens to generate at most per row; a row also stops at <eos> or at total_len.
     items: [B] each prompt's number in the input (default 0, 1, ...).
+    vocab: the tokenizer's vocabulary size: ids from it on (the model's vocabulary padded to a
+      multiple of 128) are never chosen. Default: every id of the model's.
   Returns:
     tokens [B, max_new]: each row's continuation, <pad> after its <eos> or its end.
 
@@ -215,6 +218,7 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     token_in = jnp.where(reading, prompt_t, last)  # [B]
     logits, cache = model.apply({"params": params}, token_in[:, None], cache,
                                 method=LanguageModel.decode_step)  # [B, V]
+    logits = logits[:, :vocab]  # The padded ids are no tokens.
     new = t - (lengths - 1)  # [B] the index of the token this step makes, < 0 while reading
     writing = (new >= 0) & (new < max_new) & ~done
     token = sampler(logits, decode.row_keys(rng, items, jnp.maximum(new, 0))).astype(jnp.int32)

@@ -1,24 +1,20 @@
-"""Compiled programs kept on disk, so that a later command runs them at once.
+"""Traced programs kept on disk, so that a later command neither traces nor lowers them.
 
 jax's persistent compilation cache saves the compiling, but a command still traces and lowers
 every program to find its cache entry: for the decoding slots of three width classes, several
-seconds of a command's start. A `ProgramStore` keeps the compiled executable itself
-(jax.experimental.serialize_executable), under a key made of what the program is (its name,
-the caller's description of what it closes over, its arguments' shapes and types) and of what
-built it (jax and jaxlib, the device, this CPU's model and instruction sets, XLA_FLAGS and this
-package's source code): a later process with the same key loads it and neither traces, lowers
-nor compiles. A program the store cannot write or read back (a file cut short, another jax) is
-compiled as usual, with a warning. The files are pickles: keep the directory as private as the
-workdir it belongs to.
-"""
+seconds of a command's start. A `ProgramStore` keeps each program as jax.export serializes it
+(StableHLO and its calling convention), under a key made of what the program is (its name, the
+caller's description of what it closes over, its arguments' shapes and types) and of what built
+it (jax and jaxlib, the device, XLA_FLAGS and this package's source code): a later process with
+the same key loads it instead of tracing, and the compilation cache gives its executable. A
+program the store cannot write or read back (a file cut short, another jax) is traced as usual,
+with a warning."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
-import pickle
-import platform
 import threading
 from pathlib import Path
 from typing import Callable
@@ -26,34 +22,21 @@ from typing import Callable
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import serialize_executable
 
 from transformer_jax import fs
 
 
 @functools.cache
 def _build_key() -> str:
-  """What built a program: jax, jaxlib, the devices, the host CPU (an executable compiled for
-  its instruction sets), XLA_FLAGS and this package's code."""
+  """What built a program: jax, jaxlib, the devices, XLA_FLAGS and this package's code."""
   digest = hashlib.sha256()
   device = jax.devices()[0]
   for part in (jax.__version__, jax.lib.__version__, device.platform, device.device_kind,
-               str(jax.device_count()), platform.machine(), _cpu_flags(),
-               os.environ.get("XLA_FLAGS", "")):
+               str(jax.device_count()), os.environ.get("XLA_FLAGS", "")):
     digest.update(part.encode() + b"\0")
   for path in sorted(Path(__file__).parent.rglob("*.py")):
     digest.update(path.read_bytes())
   return digest.hexdigest()
-
-
-def _cpu_flags() -> str:
-  """The host CPU's model and instruction-set flags (Linux), else its name."""
-  try:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-  except OSError:
-    return platform.processor()
-  return "\n".join(sorted({line for line in lines
-                           if line.startswith(("model name", "flags", "Features"))}))
 
 
 def _signature(args) -> tuple:
@@ -87,29 +70,27 @@ class ProgramStore:
         program = ready.get(signature)
         if program is None:
           program = (jitted if self.directory is None else
-                     self._program(name, describe, signature, jitted, args))
+                     self._program(name, describe, signature, jitted, jit_args, args))
           out = program(*args)  # Compiles (or loads) it.
           ready[signature] = program
           return out
       return program(*args)
     return call
 
-  def _program(self, name: str, describe: str, signature: tuple, jitted, args):
-    """The compiled program of `jitted` for `args`: loaded from the directory, else compiled
-    and kept there."""
+  def _program(self, name: str, describe: str, signature: tuple, jitted, jit_args: dict, args):
     key = hashlib.sha256("\0".join((_build_key(), name, describe, repr(signature))).encode())
-    path = self.directory / f"{name}-{key.hexdigest()[:40]}.executable"
+    path = self.directory / f"{name}-{key.hexdigest()[:40]}.jax_export"
+    exported = None
     if path.exists():
       try:
-        return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
-      except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is compiled again.
-        logging.warning("compiling %s again: its kept program %s did not load (%s)", name, path,
-                        e)
-    compiled = jitted.lower(*args).compile()
-    try:
-      self.directory.mkdir(parents=True, exist_ok=True)
-      fs.replace_file(path, pickle.dumps(serialize_executable.serialize(compiled)))
-    except (OSError, ValueError, TypeError, pickle.PicklingError) as e:
-      # Keeping it is an optimization, never a failure.
-      logging.warning("could not keep the compiled %s in %s (%s)", name, self.directory, e)
-    return compiled
+        exported = jax.export.deserialize(bytearray(path.read_bytes()))
+      except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is traced again.
+        logging.warning("tracing %s again: its kept program %s did not load (%s)", name, path, e)
+    if exported is None:
+      exported = jax.export.export(jitted)(*args)
+      try:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fs.replace_file(path, exported.serialize())
+      except OSError as e:  # Keeping it is an optimization, never a failure.
+        logging.warning("could not keep the traced %s in %s (%s)", name, self.directory, e)
+    return jax.jit(exported.call, **jit_args)
