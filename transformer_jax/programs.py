@@ -48,7 +48,8 @@ def _signature(args) -> tuple:
 
 
 class ProgramStore:
-  """Programs compiled once per key into `directory` (None: nothing kept; `jit` is jax.jit)."""
+  """Programs compiled once per key into `directory` (None: nothing kept; `jit` is then jax.jit
+  behind the same compile-once lock)."""
 
   def __init__(self, directory: str | Path | None):
     self.directory = Path(directory) if directory else None
