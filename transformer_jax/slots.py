@@ -54,7 +54,7 @@ DEFAULT_ROWS = {"cpu": 128, "gpu": 1024, "tpu": 1024}
 
 # Streams of slots a file is decoded by at once, by platform, each driven by its own thread.
 # A CPU's matrix products on a decoder step's few rows keep its cores only partly busy: on 2
-# cores, a second stream stepping at the same time computed 1.4x the rows a second of one
+# cores, a second stream stepping at the same time computed 1.44-1.45x the rows a second of one
 # (docs/translating.md). An accelerator runs one program at a time.
 DEFAULT_LANES = {"cpu": 2, "gpu": 1, "tpu": 1}
 
