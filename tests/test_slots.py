@@ -1,8 +1,6 @@
 """Decoding slots against the batch decoders, on the trained smoke model: the same tokens and
 scores for every sentence, with sentences of many lengths entering and leaving few slots."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,16 +80,13 @@ def test_translate_lines_in_slots_equals_batches(translator, sources):
   assert batched[24] == "" and batched[25] == batched[0]
 
 
-def _counting_model(vocab=16, rows_computed=None):
+def _counting_model(vocab=16):
   """A SlotModel whose output for a source of n tokens is 5, 6, ..., then <eos> at step n - 1
-  (one step per source token): sentences of different lengths end at different steps. Each
-  step it computes appends its number of rows to `rows_computed` (a list), where given."""
+  (one step per source token): sentences of different lengths end at different steps."""
   def encode(params, src, width):
     return {"n": jnp.sum(src != SPECIALS.pad, axis=1)}
 
   def step(params, tokens, cache, sources, index):
-    if rows_computed is not None:
-      jax.debug.callback(functools.partial(rows_computed.append, tokens.shape[0]))
     n = jnp.repeat(sources["n"], tokens.shape[0] // sources["n"].shape[0])  # A beam's rows.
     best = jnp.where(index + 1 >= n, SPECIALS.eos, 5 + index)
     logits = jnp.where(jnp.arange(vocab)[None, :] == best[:, None], 0.0, -5.0)
@@ -163,13 +158,12 @@ def test_run_sizes_halve_down_to_a_sixteenth_of_the_slots():
 @pytest.mark.parametrize("beam_size", [1, 2])
 def test_steps_compute_the_rows_of_the_running_searches_not_of_every_slot(beam_size):
   """16 slots, 20 sources of 2 to 21 tokens (the counting model: a source of n tokens
-  decodes n steps, and counts the rows its steps compute). Once the sources are all in, the
-  last, longest searches run in fewer and fewer leading slots. Every output is still right,
-  and the decoder's count of the rows computed is the model's."""
+  decodes n steps). The model's cache counts the steps each row computed, and moves with its
+  slot when the running searches are compacted: once the sources are all in, the last,
+  longest searches run in fewer and fewer leading slots. Every output is still right."""
   lengths = [2 + (7 * i) % 20 for i in range(20)]
   sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
-  rows_computed = []
-  decoder = slots.SlotDecoder(_counting_model(32, rows_computed), None, 16, 24, 24, SPECIALS,
+  decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 16, 24, 24, SPECIALS,
                               beam_size=beam_size)
   sizes = []
   for size, run in list(decoder._runs.items()):
@@ -184,10 +178,9 @@ def test_steps_compute_the_rows_of_the_running_searches_not_of_every_slot(beam_s
   for i, n in enumerate(lengths):
     assert results[i][:n].tolist() == [5 + j for j in range(n - 1)] + [SPECIALS.eos]
   assert sizes[:2] == [16, 16] and sizes[-1] == 1 and {8, 4, 2} <= set(sizes)
-  computed = sum(rows_computed)
+  computed = int(np.asarray(stream._state["cache"]["calls"]).sum())
   assert computed == decoder.rows_stepped
-  # Row-steps the searches themselves need: a beam's first step computes one row, not K.
-  busy = sum((n - 1) * beam_size + 1 for n in lengths)
+  busy = sum(lengths) * beam_size  # Row-steps the searches themselves need.
   # Every slot stepped at every step would be 16 rows x the steps run.
   assert busy <= computed < 0.8 * decoder.slots * beam_size * decoder.steps_run
 

@@ -123,7 +123,7 @@ class SlotDecoder:
     describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials))
     jit = functools.partial(programs.jit, describe=describe)
-    self._encode = jit("slots_encode", fn=self._encode_fn)
+    self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
     self.run_sizes = run_sizes(slots)
@@ -131,9 +131,7 @@ class SlotDecoder:
                             donate_argnums=1) for rows in self.run_sizes}
     self._results = jit("slots_results", fn=self._results_fn)
     self.steps_run = 0  # Decoder steps its streams ran so far,
-    # The decoder rows computed: the runs' (run size x beam size at every step) and, for beam
-    # search, the first steps (one row per source encoded).
-    self.rows_stepped = 0
+    self.rows_stepped = 0  # and the decoder rows those steps computed (run size x beam size).
     self._count_lock = threading.Lock()
     self._empty = jit("slots_empty", fn=self._empty_fn)
 
@@ -146,28 +144,6 @@ class SlotDecoder:
     jax.block_until_ready(self._compact(state, np.arange(self.slots, dtype=np.int32)))
 
   # --- the compiled programs ---------------------------------------------------------------
-
-  def _encode_fn(self, params, src):
-    """The decoding state of the sources src [P, w]. For beam search, with each source's first
-    step: {"sources": that state, "cache": the self-attention cache of one row per source
-    after its first position, "beams": the K beams after it}. Every beam starts from <bos>, so
-    the first step computes one row per source, not K alike (as CTranslate2 does), and the
-    slots' runs start at the second."""
-    sources = self.model.encode(params, src, self.width)
-    if self.k == 1:
-      return sources
-    p = src.shape[0]
-    bos = jnp.full((p, 1), self.specials.bos, jnp.int32)
-    logits, cache = self.model.step(params, bos, self.model.init_cache(params, p, self.max_len),
-                                    sources, jnp.zeros((p,), jnp.int32))
-    # Each source's K beams see its one row's logits; the cache goes with the sources.
-    first = lambda tokens, _: (jnp.repeat(logits, self.k, axis=0), ())
-    start = (jnp.zeros((p,), jnp.int32),
-             *decode.initial_beams(p, self.k, self.max_len, self.specials), ())
-    # A first step's length penalty, ((5 + 1) / 6) ** alpha, is 1 whatever the slot's alpha.
-    _, *beams, _ = decode.beam_step(first, start, self.specials, jnp.zeros((p,), jnp.float32),
-                                    self.k, self.beam_stop)
-    return {"sources": sources, "cache": cache, "beams": tuple(beams)}
 
   def _empty_fn(self, params) -> dict[str, Any]:
     u, k, length = self.slots, self.k, self.max_len
@@ -192,40 +168,28 @@ class SlotDecoder:
       fresh["beams"] = decode.initial_beams(u, self.k, self.max_len, self.specials)
     return fresh
 
-  def _refill_fn(self, state, encoded, take, limits, items, alpha):
-    """Slot u with take[u] >= 0 starts row take[u] of `encoded` (encode's, [P, ...]) with
+  def _refill_fn(self, state, sources, take, limits, items, alpha):
+    """Slot u with take[u] >= 0 starts row take[u] of `sources` (encode's, [P, ...]) with
     output limit limits[u] and length penalty alpha[u] as item items[u] (what it held before
-    is dropped). A beam search starts after its first step, taken by encode."""
+    is dropped)."""
     fill = take >= 0
     state = dict(state)
-    sources = encoded if self.k == 1 else encoded["sources"]
-    first_cache = {} if self.k == 1 else encoded["cache"]
     # Only the slots filled are written (a refill of a few slots must not rewrite every
     # slot's source keys and values): one row at a time, in place.
     order = jnp.argsort(~fill, stable=True)  # The slots to fill first.
 
     def copy(j, held):
-      slot, row = order[j], take[order[j]]
-      put = lambda dst, new: jax.lax.dynamic_update_index_in_dim(
-          dst, jax.lax.dynamic_index_in_dim(new, row, keepdims=False), slot, 0)
-      # A beam's K cache rows: its source's first-step row, K times.
-      put_k = lambda dst, new: jax.lax.dynamic_update_slice_in_dim(
-          dst, jnp.repeat(jax.lax.dynamic_slice_in_dim(new, row, 1), self.k, axis=0),
-          slot * self.k, axis=0)
-      return (jax.tree.map(put, held[0], sources), jax.tree.map(put_k, held[1], first_cache))
+      slot = order[j]
+      row = lambda x: jax.lax.dynamic_index_in_dim(x, take[slot], keepdims=False)
+      return jax.tree.map(lambda dst, new: jax.lax.dynamic_update_index_in_dim(
+          dst, row(new), slot, 0), held, sources)
 
-    held = (state["sources"], {} if self.k == 1 else state["cache"])
-    state["sources"], cache = jax.lax.fori_loop(0, jnp.sum(fill), copy, held)
+    state["sources"] = jax.lax.fori_loop(0, jnp.sum(fill), copy, state["sources"])
     state["active"] = state["active"] | fill
     state["items"] = jnp.where(fill, items, state["items"])
     state["limits"] = jnp.where(fill, limits, state["limits"])
     state["alpha"] = jnp.where(fill, alpha, state["alpha"])
     fresh = self._fresh()
-    if self.k > 1:
-      state["cache"] = cache
-      fresh["t"] = jnp.ones_like(fresh["t"])
-      fresh["beams"] = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(take, 0), axis=0),
-                                    encoded["beams"])
     state.update(_where(fill, fresh, {key: state[key] for key in fresh}))
     return state
 
@@ -478,8 +442,5 @@ class SlotStream:
       ids = batch[row % len(batch)][1]
       src[row, :len(ids)] = ids
     self._encoded = d._encode(d.params, src)
-    if d.k > 1:
-      with d._count_lock:
-        d.rows_stepped += rows  # The searches' first steps.
     self._chunk = collections.deque((row, item, limit, alpha)
                                     for row, (item, _, limit, alpha) in enumerate(batch))
