@@ -31,7 +31,6 @@ TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 NEG_INF = -1e9
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Greedy:
   """Always the most likely token (the first of equals, as argmax)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jax._src import monitoring  # noqa: E402
+from jax import monitoring  # noqa: E402
 
 seconds: dict[str, float] = collections.defaultdict(float)
 counts: collections.Counter = collections.Counter()
@@ -38,5 +38,4 @@ from transformer_jax import translator  # noqa: E402, F401 -- the package's heav
 
 IMPORTED = time.perf_counter()
 atexit.register(_report)
-sys.argv = [sys.argv[0], *sys.argv[1:]]
 front.main()
