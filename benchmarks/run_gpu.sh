@@ -20,7 +20,8 @@
 #         size, and the base step's profile with and without the chunked loss.
 # PART decode: the main job (configs/fra_eng.py) trained on the GPU, then `translate` on the
 #         Tatoeba sources with decoding slots, beam 4 and greedy, each twice (an empty, then a
-#         filled compilation cache), timed whole. Reads $DATA (default data/: made by
+#         filled compilation cache), timed whole; DECODE_RUNS="4:auto 4:1024 1:auto" picks the
+#         beam sizes and slot counts (default "4:auto 1:auto"). Reads $DATA (default data/: made by
 #         `python -m transformer_jax download --out data`, git-ignored; carry it along).
 # PART lm: the language-model tests on the GPU, then configs/lm_gpt2_small.py (12 layers,
 #         d_model 768, 64 x 1024 tokens, bf16) trained by train.py for 300 steps on the
@@ -91,11 +92,13 @@ elif [ "$part" = decode ]; then
   tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
   step train_fra_eng 900 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
       --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
-  for beam in 4 1; do
+  # BEAM:SLOTS pairs, in order; each translates the file twice (the second with a filled cache).
+  for pair in ${DECODE_RUNS:-4:auto 1:auto}; do
+    beam=${pair%%:*} slots=${pair#*:}
     for run in first second; do
-      step "translate_beam${beam}_$run" 600 bash -c "time $py -m transformer_jax translate \
-          --workdir $out/fra_eng --input $tatoeba.eng --reference $tatoeba.fra \
-          --output $out/tatoeba_beam$beam.hyp --beam_size $beam \
+      step "translate_beam${beam}_slots${slots}_$run" 600 bash -c "time $py -m transformer_jax \
+          translate --workdir $out/fra_eng --input $tatoeba.eng --reference $tatoeba.fra \
+          --output $out/tatoeba_beam${beam}_slots$slots.hyp --beam_size $beam --slots $slots \
           --compilation_cache_dir $out/translate_cache"
     done
   done

@@ -52,6 +52,26 @@ def test_slots_give_each_sentence_what_a_batch_of_its_width_gives(translator, so
   assert len(ends) >= 4  # Outputs of many lengths: sentences left the slots at many steps.
 
 
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_an_accelerators_slot_settings_give_what_the_batch_decoder_gives(trained, sources,
+                                                                         beam_size):
+  """A GPU's settings, run here on the CPU: one width class (the model's max_len) and one run
+  size, so short and long sources share the slots and every step steps all of them."""
+  gpu = Translator(trained[1], platform="gpu")
+  assert gpu.slot_widths == [gpu.slot_widths[-1]] and gpu.lanes == 1
+  options = DecodeOptions(beam_size=beam_size, alpha=0.6)
+  src, rows = _rows(gpu, sources)
+  widths = np.array([-(-len(r) // 8) * 8 for r in rows])
+  tokens, scores = gpu.decode(src, options, widths=widths)
+  got = gpu.decode_slots(rows, options, num_slots=5)
+  (decoder,) = gpu._slot_decoders.values()
+  assert decoder.run_sizes == [5] and decoder.width == gpu.slot_widths[-1]
+  for i, (slot_tokens, slot_scores) in enumerate(got):
+    n = min(slot_tokens.shape[1], tokens.shape[2])
+    np.testing.assert_array_equal(slot_tokens[:, :n], tokens[i, :, :n], err_msg=str(i))
+    np.testing.assert_allclose(slot_scores, scores[i], rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_in_slots_draws_what_the_batch_sampler_draws(translator, sources):
   """With a fixed key, each sentence samples the same tokens in a batch and in slots (its
   keys come from its number in the input and the step)."""
@@ -152,6 +172,7 @@ def test_run_sizes_halve_down_to_a_sixteenth_of_the_slots():
   assert slots.run_sizes(32) == [2, 4, 8, 16, 32]
   assert slots.run_sizes(3) == [1, 2, 3]
   assert slots.run_sizes(1) == [1]
+  assert slots.run_sizes(128, fraction=1) == [128]  # An accelerator's: one size.
 
 
 @pytest.mark.quick

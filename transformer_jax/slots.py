@@ -16,9 +16,11 @@ drives (`decode_all`):
 Each program is compiled once for the decoder's shape (slots, source width, output length,
 beam size), whatever the traffic and the length penalty (each search has its own alpha);
 `encode` once per source width it meets, `run` once per active size it meets: a run steps only
-the first `rows` slots, the smallest of the sizes `slots`, `slots` / 2, ... (down to
+the first `rows` slots, the smallest of the sizes `slots`, `slots` / 2, ... (on a CPU down to
 `slots` / 16) that holds every active search, so a step costs as many rows as are busy, not as
-many as were allocated (a server's few clients, a file's last sentences). New searches take the
+many as were allocated (a server's few clients, a file's last sentences). On an accelerator a
+step of a few rows costs about what one of every slot does, so `run` has one size there: each
+size is one more program to compile and to load at start-up. New searches take the
 lowest free slots, and when the searches still running would fit a smaller size, a `compact`
 program moves them to the first slots. A `SlotStream` feeds one decoder: sources are put in
 as they come (a file's, or a server's requests') and come out as they finish; several streams
@@ -85,15 +87,18 @@ class SlotModel:
   describe: str = ""  # What the functions close over (the model's config), for ProgramStore.
 
 
-# The smallest active size a run program is compiled for, as a fraction of the slots.
-MIN_ROWS_FRACTION = 16
+# The smallest active size a run program is compiled for, as a fraction of the slots, by
+# platform. A CPU's step costs about its rows; an accelerator's costs about the same at a few
+# rows as at all the slots, and every size is a program more to compile and load (on one H200,
+# loading a program from the compilation cache took longer than the steps it saves).
+MIN_ROWS_FRACTION = {"cpu": 16, "gpu": 1, "tpu": 1}
 
 
-def run_sizes(slots: int) -> list[int]:
+def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[int]:
   """The active sizes (leading slots a run steps) of a decoder of `slots` slots, ascending:
-  `slots` halved down to `slots` / MIN_ROWS_FRACTION (at least 1)."""
+  `slots` halved down to `slots` / `fraction` (at least 1)."""
   sizes, size = [], slots
-  while size >= max(1, slots // MIN_ROWS_FRACTION):
+  while size >= max(1, slots // fraction):
     sizes.append(size)
     if size == 1:
       break
@@ -114,8 +119,10 @@ class SlotDecoder:
   def __init__(self, model: SlotModel, params, slots: int, width: int, max_len: int,
                specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
                sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
-               programs: ProgramStore = ProgramStore(None)):
-    """`programs`: where the compiled programs are kept for a later process (default: not)."""
+               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None):
+    """`programs`: where the compiled programs are kept for a later process (default: not).
+    `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
+    the platform's, MIN_ROWS_FRACTION)."""
     self.model, self.params, self.specials = model, params, specials
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
@@ -126,7 +133,9 @@ class SlotDecoder:
     self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
-    self.run_sizes = run_sizes(slots)
+    if min_rows_fraction is None:
+      min_rows_fraction = MIN_ROWS_FRACTION.get(jax.default_backend(), MIN_ROWS_FRACTION["cpu"])
+    self.run_sizes = run_sizes(slots, min_rows_fraction)
     self._runs = {rows: jit(f"slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
                             donate_argnums=1) for rows in self.run_sizes}
     self._results = jit("slots_results", fn=self._results_fn)

@@ -26,8 +26,12 @@ from transformer_jax.programs import ProgramStore
 from transformer_jax.workdir import Workdir
 
 
-# The source widths of translate's slot decoders below the model's max_len (decode_slots).
-SLOT_WIDTHS = (16, 32)
+# The source widths of translate's slot decoders below the model's max_len (decode_slots), by
+# platform. On a CPU a step's attention and a beam's cache reordering cost as much as the
+# slots' width, and most sentences are short; on an accelerator they cost little at any width,
+# while every class is a set of programs more to compile and load, and a tail of few running
+# searches more: one class.
+SLOT_WIDTHS = {"cpu": (16, 32), "gpu": (), "tpu": ()}
 
 
 class Translator:
@@ -35,12 +39,15 @@ class Translator:
   vocabulary: an ensemble) and translates batches of sentences."""
 
   def __init__(self, workdir: str | Path | Sequence[str | Path], step: int | None = None,
-               ema: bool = True, programs: ProgramStore = ProgramStore(None)):
+               ema: bool = True, programs: ProgramStore = ProgramStore(None),
+               platform: str | None = None):
     """`workdir`: one, or several decoded as an ensemble (their log-probabilities averaged at
     every step); the first gives the config (max_len, decoding defaults). `step`: the
     checkpoint to read (every workdir's), default the newest that verifies. `ema`: decode with
     the parameters' moving average where a run kept one (ema_decay > 0). `programs`: where the
-    decoding slots' compiled programs are kept for later commands."""
+    decoding slots' compiled programs are kept for later commands. `platform`: whose slot
+    settings (lanes, width classes, run sizes) decode_slots uses, default the device's ("cpu",
+    "gpu" or "tpu"; a CPU can run an accelerator's)."""
     self.programs = programs
     workdirs = [workdir] if isinstance(workdir, (str, Path)) else list(workdir)
     if not workdirs:
@@ -63,8 +70,12 @@ class Translator:
     self.max_src_len = min(max_lens)  # Sources longer than a member's max_len are truncated.
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     self._slot_decoders: dict[tuple, slots.SlotDecoder] = {}
-    # Streams of slots that decode a file at once (decode_slots): the device's default.
-    self.lanes = slots.default_lanes(jax.default_backend())
+    # The slot settings of decode_slots: streams of slots that decode a file at once, the
+    # decoders' width classes below the model's max_len, their smallest run size.
+    platform = platform or jax.default_backend()
+    self.lanes = slots.default_lanes(platform)
+    self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])
+    self.min_rows_fraction = slots.MIN_ROWS_FRACTION.get(platform, slots.MIN_ROWS_FRACTION["cpu"])
 
   @property
   def model(self):
@@ -107,10 +118,10 @@ class Translator:
 
   @property
   def slot_widths(self) -> list[int]:
-    """The source widths of the slot decoders' classes, ascending: SLOT_WIDTHS below the
+    """The source widths of the slot decoders' classes, ascending: `width_classes` below the
     model's max_len (rounded up to 8), then that."""
     full = -(-self.max_src_len // 8) * 8
-    return [w for w in SLOT_WIDTHS if w < full] + [full]
+    return [w for w in self.width_classes if w < full] + [full]
 
   def slot_decoder(self, options: DecodeOptions, num_slots: int,
                    width: int | None = None) -> slots.SlotDecoder:
@@ -119,13 +130,15 @@ class Translator:
     compile once (the same for any input and any length penalty)."""
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
-    key = (num_slots, width, max_len, options.beam_size, options.beam_stop)
+    key = (num_slots, width, max_len, options.beam_size, options.beam_stop,
+           self.min_rows_fraction)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
       self._slot_decoders[key] = slots.SlotDecoder(
           slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size,
-          beam_stop=options.beam_stop, programs=self.programs)
+          beam_stop=options.beam_stop, programs=self.programs,
+          min_rows_fraction=self.min_rows_fraction)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
@@ -135,9 +148,8 @@ class Translator:
     options.max_len_margin, or options.max_len), through `self.lanes` streams of `num_slots`
     decoding slots each.
 
-    Sources go to the slots of the narrowest of SLOT_WIDTHS (then the model's max_len) that
-    holds them, the widest class first: a step's attention and a beam's cache reordering cost
-    as much as the slots' width, and most sentences are short."""
+    Sources go to the slots of the narrowest of `slot_widths` that holds them, the widest
+    class first (SLOT_WIDTHS says why)."""
     widths = self.slot_widths
     width_of = [next(w for w in widths if len(ids) <= w) for ids in sources]
     results: list = [None] * len(sources)
