@@ -74,3 +74,20 @@ def test_threads_that_meet_a_program_at_once_compile_it_once(tmp_path, kept):
   for thread in threads:
     thread.join()
   assert outs == [5.0] * 4 and len(traces) == 1
+
+
+def test_arguments_of_another_dtype_or_weak_type_are_other_programs(tmp_path):
+  """numpy and jax arrays, numpy scalars and Python numbers: each kind of argument that jax
+  would trace apart gets its own program, kept apart on disk."""
+  fn, traces = _counted()
+  add = ProgramStore(tmp_path).jit("add", "v1", fn)
+  state = lambda: {"sum": jnp.zeros(())}
+  calls = [np.arange(3, dtype=np.float32), np.arange(3, dtype=np.float32) + 1,  # One program,
+           jnp.arange(3.0),  # the same as a jax array: float32, not weak.
+           np.arange(3, dtype=np.int32),  # Another dtype.
+           np.float32(2.0), jnp.asarray(2.0), 2.0, 3.0, 2]  # Scalars: strong, weak, int.
+  assert jnp.asarray(2.0).weak_type  # The same program as a Python float's.
+  sums = [float(add(state(), x)["sum"]) for x in calls]
+  assert sums == [3.0, 6.0, 3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 2.0]
+  assert len(traces) == 5  # float32 [3], int32 [3], float32 (), weak float (), weak int ().
+  assert len(list(tmp_path.glob("add-*.jax_export"))) == 5

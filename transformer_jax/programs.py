@@ -40,10 +40,15 @@ def _build_key() -> str:
 
 
 def _signature(args) -> tuple:
-  """What tells programs of one function apart: the arguments' tree, shapes and types (read
-  off the arrays, not through jax.typeof: this runs at every call)."""
+  """What tells programs of one function apart: the arguments' tree, shapes and types. This
+  runs at every call, over every parameter: an array's own shape and dtype are read (about
+  0.5 us a leaf), not jax.typeof's or np.result_type's (on a jax array, about 5 us: a
+  deprecation check each time); a Python number is what jax makes of it, a weakly typed
+  scalar."""
   leaves, tree = jax.tree.flatten(args)
-  return tree, tuple((np.shape(x), np.result_type(x).name, getattr(x, "weak_type", False))
+  return tree, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) if hasattr(x, "dtype")
+                     else ((), jax.dtypes.canonicalize_dtype(np.result_type(x)),
+                           not isinstance(x, bool))
                      for x in leaves)
 
 
