@@ -21,7 +21,8 @@
 # PART decode: the main job (configs/fra_eng.py) trained on the GPU, then `translate` on the
 #         Tatoeba sources with decoding slots, beam 4 and greedy, each twice (an empty, then a
 #         filled compilation cache), timed whole; DECODE_RUNS="4:auto 4:1024 1:auto" picks the
-#         beam sizes and slot counts (default "4:auto 1:auto"). Reads $DATA (default data/: made by
+#         beam sizes and slot counts (default "4:auto 1:auto"); then start_costs.py on a later
+#         beam-4 command and slot_steps.py (a step's cost by its rows). Reads $DATA (default data/: made by
 #         `python -m transformer_jax download --out data`, git-ignored; carry it along).
 # PART lm: the language-model tests on the GPU, then configs/lm_gpt2_small.py (12 layers,
 #         d_model 768, 64 x 1024 tokens, bf16) trained by train.py for 300 steps on the
@@ -102,6 +103,13 @@ elif [ "$part" = decode ]; then
           --compilation_cache_dir $out/translate_cache"
     done
   done
+  # Where a later beam-4 command's time goes, and what a step costs by its rows (launch-bound
+  # or not): the leads for the GPU's translating speed.
+  step start_costs_beam4 120 $py benchmarks/analysis/start_costs.py translate \
+      --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/start_costs.hyp" \
+      --beam_size 4 --compilation_cache_dir "$out/translate_cache"
+  step slot_steps_beam4 200 $py benchmarks/analysis/slot_steps.py "$out/fra_eng" --beam_size 4 \
+      --slots 16,64,256,1024 --lanes 1 --width 64 --json "$out/slot_steps_beam4.json"
 elif [ "$part" = lm ]; then
   data=${DATA:-data}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
