@@ -229,3 +229,29 @@ def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, source
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[0], c[0])
     np.testing.assert_allclose(a[1], c[1], rtol=1e-6)
+
+
+def test_no_decoder_emits_the_padding_of_the_models_vocabulary(trained, sources):
+  """The model's vocabulary is the tokenizer's padded to a multiple of 128; the extra ids are
+  no tokens. Here their rows of the (tied) output table are made 3x the first real ids' rows,
+  so they outscore those ids wherever these score above zero: the uncut batch decoder then
+  emits them, and neither of the translator's decoders does (greedy and beam 4)."""
+  t = Translator(trained[1])
+  vocab, padded = t.tokenizers.tgt.vocab_size, t.model.cfg.tgt_vocab_size
+  assert padded > vocab and t.model.cfg.tie_output
+
+  def boosted(path, x):
+    if path[-1].key == "embedding" and x.shape[0] == padded:
+      return x.at[vocab:].set(3 * x[:padded - vocab])
+    return x
+  t.all_params = (jax.tree_util.tree_map_with_path(boosted, t.params),)
+  src, rows = _rows(t, sources[:16])
+  max_len = src.shape[1] + 10
+  uncut = np.asarray(jax.jit(lambda p, s: generation.scored(
+      t.model, p, s, max_len, 1, 0.6)[0])(t.params, src))
+  assert (uncut >= vocab).any()  # The boost bites.
+  for beam_size in (1, 4):
+    options = DecodeOptions(beam_size=beam_size)
+    tokens, _ = t.decode(src, options)
+    assert tokens.max() < vocab
+    assert max(out.max() for out, _ in t.decode_slots(rows, options, num_slots=4)) < vocab

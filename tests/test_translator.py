@@ -46,7 +46,8 @@ def test_n_best_lists_are_sorted_and_rescored_by_the_model(trained, sources, bea
   if beam_stop == "exact":  # Both kinds of score are checked (first_k: the smoke model's
     assert ended.any() and not ended.all()  # <eos> seldom ranks among a step's K best).
   logp = np.asarray(generation.sequence_logprob(translator.model, translator.params,
-                                                np.repeat(src, 4, axis=0), rows))
+                                                np.repeat(src, 4, axis=0), rows,
+                                                translator.tokenizers.tgt.vocab_size))
   lengths = np.where(ended, (rows != PAD).sum(-1), max_len)
   np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores.reshape(-1),
                              rtol=2e-4, atol=2e-4)
@@ -62,7 +63,8 @@ def test_greedy_scores_are_the_models_log_probabilities_over_the_length_penalty(
   assert translator.translate(sources, DecodeOptions(beam_size=1)) == [
       translator.tokenizers.tgt.decode(generation.strip(row)) for row in tokens[:, 0]]
   rows = tokens[:, 0]  # The 20-step smoke model's greedy outputs run to max_len.
-  logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, rows))
+  logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, rows,
+                                                translator.tokenizers.tgt.vocab_size))
   lengths = (rows != PAD).sum(-1)  # With <eos> where an output ended; max_len where not.
   np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores[:, 0],
                              rtol=2e-4, atol=2e-4)

@@ -193,16 +193,16 @@ def source_widths(max_len: int) -> list[int]:
 def _to_jax(translator: Translator, out: Path, beam_size: int, alpha: float,
             margin: int = generation.DecodeOptions.max_len_margin) -> None:
   leaves, treedef = jax.tree.flatten(translator.params)
-  model = translator.model
+  model, vocab = translator.model, translator.tokenizers.tgt.vocab_size
   batch = jax.export.symbolic_shape("b")[0]
   programs = []
   for width in source_widths(translator.max_src_len):
     for beam in sorted({1, beam_size}):
       def decoder(leaves, src, beam=beam, width=width):
         params = jax.tree.unflatten(treedef, leaves)
-        if beam == 1:
-          return generation.generate(model, params, src, width + margin)
-        return generation.beams(model, params, src, width + margin, beam, alpha)[0][:, 0]
+        # The tokenizer's ids only, as `translate` emits (generation.decoder's vocab).
+        return generation.scored(model, params, src, width + margin, beam, alpha,
+                                 vocab=vocab)[0][:, 0]
       args = ([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
               jax.ShapeDtypeStruct((batch, width), jnp.int32))
       exported = jax.export.export(jax.jit(decoder))(*args)

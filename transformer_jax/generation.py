@@ -49,18 +49,26 @@ def _members(model, params) -> tuple[tuple[Transformer, ...], tuple]:
   return tuple(model), tuple(params)
 
 
-def decoder(model, params, src, max_len: int):
+def _tokens_only(logits, vocab: int | None):
+  """Logits [R, V] cut to the tokenizer's `vocab` ids (None: all): the model's vocabulary is
+  padded (sections.padded_vocab), and its extra ids are no tokens to emit."""
+  return logits if vocab is None else logits[:, :vocab]
+
+
+def decoder(model, params, src, max_len: int, vocab: int | None = None):
   """(tokens_to_logits, cache) for decode.py over the sources src [B, S], with `max_len` cached
   positions per row. `model`/`params`: one model, or sequences of models sharing a vocabulary
-  (an ensemble: the step returns their log-probabilities averaged, [B*K, V])."""
+  (an ensemble: the step returns their log-probabilities averaged, [B*K, V]). `vocab`: the
+  tokenizer's size, the ids a step may emit (default: every id of the model's)."""
   models, params = _members(model, params)
   sources = [encode_source(m, p, src) for m, p in zip(models, params)]
   caches = tuple(m.apply({"params": p}, src.shape[0], max_len, method=Transformer.init_cache)
                  for m, p in zip(models, params))
 
   def step(i, tokens, cache):
-    return models[i].apply({"params": params[i]}, tokens, cache, sources[i],
-                           method=Transformer.decode_step)
+    logits, cache = models[i].apply({"params": params[i]}, tokens, cache, sources[i],
+                                    method=Transformer.decode_step)
+    return _tokens_only(logits, vocab), cache
 
   if len(models) == 1:
     return functools.partial(step, 0), caches[0]
@@ -72,9 +80,10 @@ def decoder(model, params, src, max_len: int):
   return ensemble_step, caches
 
 
-def slot_model(model) -> slots.SlotModel:
+def slot_model(model, vocab: int | None = None) -> slots.SlotModel:
   """The slots' view (slots.SlotModel) of one model or an ensemble (a sequence of models
-  sharing a vocabulary: log-probabilities averaged, as `decoder`); `params` then a sequence."""
+  sharing a vocabulary: log-probabilities averaged, as `decoder`); `params` then a sequence.
+  `vocab`: the ids a step may emit, as `decoder`'s."""
   models = (model,) if isinstance(model, Transformer) else tuple(model)
   ensemble = not isinstance(model, Transformer)
   members = lambda params: params if ensemble else (params,)
@@ -84,7 +93,7 @@ def slot_model(model) -> slots.SlotModel:
     for m, p, cache, source in zip(models, members(params), caches, sources):
       x, cache = m.apply({"params": p}, tokens, {"index": index, **cache}, source,
                          method=Transformer.decode_step)
-      logits.append(x)
+      logits.append(_tokens_only(x, vocab))
       new.append({"k": cache["k"], "v": cache["v"]})
     if len(models) == 1:
       return logits[0], tuple(new)
@@ -104,7 +113,7 @@ def slot_model(model) -> slots.SlotModel:
     return tuple(padded(encode_source(m, p, src)) for m, p in zip(models, members(params)))
 
   return slots.SlotModel(step=step, init_cache=init_cache, encode=encode,
-                         describe=repr(tuple(m.cfg for m in models)))
+                         describe=repr((tuple(m.cfg for m in models), vocab)))
 
 
 def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,
@@ -118,36 +127,40 @@ def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float 
 
 
 def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits=None,
-          beam_stop: str = "exact"):
+          beam_stop: str = "exact", vocab: int | None = None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam, best first, scored by
   log-probability / GNMT length penalty (decode.beam_search; `limits` [B]: each sentence's
-  own length limit, at most max_len; `beam_stop`: when a search ends)."""
-  step, cache = decoder(model, params, src, max_len)
+  own length limit, at most max_len; `beam_stop`: when a search ends; `vocab`: the ids it may
+  emit, as `decoder`'s)."""
+  step, cache = decoder(model, params, src, max_len, vocab)
   return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
                             limits, beam_stop)
 
 
 def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,
-           beam_stop: str = "exact"):
+           beam_stop: str = "exact", vocab: int | None = None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]), K = beam_size: the beams best first
   (decode.beam_search), or with K = 1 the greedy output. A score is the log-probability /
   GNMT length penalty of the output's length with <eos>, for greedy outputs too. `alpha` may
   be traced (one compilation serves every alpha). `limits` [B]: each row's own length limit
-  (at most max_len); a row decodes as it would alone with max_len = its limit."""
+  (at most max_len); a row decodes as it would alone with max_len = its limit. `vocab`: the
+  ids it may emit, as `decoder`'s."""
   if beam_size > 1:
-    return beams(model, params, src, max_len, beam_size, alpha, limits, beam_stop)
-  step, cache = decoder(model, params, src, max_len)
+    return beams(model, params, src, max_len, beam_size, alpha, limits, beam_stop, vocab)
+  step, cache = decoder(model, params, src, max_len, vocab)
   tokens, logprob = decode.sample_scored(step, cache, src.shape[0], max_len, SPECIALS,
                                          limits=limits)
   length = jnp.sum(tokens != PAD, axis=-1)  # [B]: the tokens with <eos>
   return tokens[:, None], (logprob / decode.length_penalty(length, alpha))[:, None]
 
 
-def sequence_logprob(model: Transformer, params, src, tgt):
+def sequence_logprob(model: Transformer, params, src, tgt, vocab: int | None = None):
   """Teacher-forced log-probabilities of outputs: src [B, S], tgt [B, T] output ids (with
-  <eos> where an output ended), then <pad> -> [B] float32, the sum over the non-pad tokens."""
+  <eos> where an output ended), then <pad> -> [B] float32, the sum over the non-pad tokens;
+  each step's distribution over the first `vocab` ids (default: all), as `decoder`'s."""
   tgt_in = jnp.concatenate([jnp.full_like(tgt[:, :1], BOS), tgt[:, :-1]], axis=1)
   logits = model.apply({"params": params}, src, tgt_in)  # [B, T, V]
+  logits = logits if vocab is None else logits[..., :vocab]
   logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tgt[..., None], axis=-1)[..., 0]
   return jnp.sum(jnp.where(tgt != PAD, logp, 0.0), axis=-1)
 

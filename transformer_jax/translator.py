@@ -99,8 +99,10 @@ class Translator:
     best first (K = beam_size; greedy: K = 1), scores as generation.scored. Compiled once per
     shape and beam size; `alpha` is traced (pass it as an array), so any alpha reuses it.
     `limits` [B]: each row's own output length limit (generation.scored). `beam_stop`: when a
-    beam search ends (decode.BEAM_STOPS)."""
-    return scored(self.models, params, src, max_len, beam_size, alpha, limits, beam_stop)
+    beam search ends (decode.BEAM_STOPS). Only the tokenizer's ids are emitted, never the
+    padding of the model's vocabulary."""
+    return scored(self.models, params, src, max_len, beam_size, alpha, limits, beam_stop,
+                  self.tokenizers.tgt.vocab_size)
 
   def decode(self, src: np.ndarray, options: DecodeOptions,
              widths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -136,9 +138,9 @@ class Translator:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
       self._slot_decoders[key] = slots.SlotDecoder(
-          slot_model(models), params, num_slots, width, max_len, SPECIALS, options.beam_size,
-          beam_stop=options.beam_stop, programs=self.programs,
-          min_rows_fraction=self.min_rows_fraction)
+          slot_model(models, self.tokenizers.tgt.vocab_size), params, num_slots, width,
+          max_len, SPECIALS, options.beam_size, beam_stop=options.beam_stop,
+          programs=self.programs, min_rows_fraction=self.min_rows_fraction)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
