@@ -50,9 +50,9 @@ def _members(model, params) -> tuple[tuple[Transformer, ...], tuple]:
 
 
 def _tokens_only(logits, vocab: int | None):
-  """Logits [R, V] cut to the tokenizer's `vocab` ids (None: all): the model's vocabulary is
-  padded (sections.padded_vocab), and its extra ids are no tokens to emit."""
-  return logits if vocab is None else logits[:, :vocab]
+  """Logits [..., V] cut to the tokenizer's `vocab` ids (None: all): the model's vocabulary is
+  padded (sections.padded_vocab), and its extra ids are no tokens."""
+  return logits if vocab is None else logits[..., :vocab]
 
 
 def decoder(model, params, src, max_len: int, vocab: int | None = None):
@@ -160,7 +160,7 @@ def sequence_logprob(model: Transformer, params, src, tgt, vocab: int | None = N
   each step's distribution over the first `vocab` ids (default: all), as `decoder`'s."""
   tgt_in = jnp.concatenate([jnp.full_like(tgt[:, :1], BOS), tgt[:, :-1]], axis=1)
   logits = model.apply({"params": params}, src, tgt_in)  # [B, T, V]
-  logits = logits if vocab is None else logits[..., :vocab]
+  logits = _tokens_only(logits, vocab)
   logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tgt[..., None], axis=-1)[..., 0]
   return jnp.sum(jnp.where(tgt != PAD, logp, 0.0), axis=-1)
 
@@ -231,7 +231,7 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     token_in = jnp.where(reading, prompt_t, last)  # [B]
     logits, cache = model.apply({"params": params}, token_in[:, None], cache,
                                 method=LanguageModel.decode_step)  # [B, V]
-    logits = logits[:, :vocab]  # The padded ids are no tokens.
+    logits = _tokens_only(logits, vocab)
     new = t - (lengths - 1)  # [B] the index of the token this step makes, < 0 while reading
     writing = (new >= 0) & (new < max_new) & ~done
     token = sampler(logits, decode.row_keys(rng, items, jnp.maximum(new, 0))).astype(jnp.int32)

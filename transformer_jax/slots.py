@@ -94,6 +94,11 @@ class SlotModel:
 MIN_ROWS_FRACTION = {"cpu": 16, "gpu": 1, "tpu": 1}
 
 
+def default_min_rows_fraction(platform: str) -> int:
+  """The smallest run size on `platform`, as a fraction of the slots (MIN_ROWS_FRACTION)."""
+  return MIN_ROWS_FRACTION.get(platform, MIN_ROWS_FRACTION["cpu"])
+
+
 def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[int]:
   """The active sizes (leading slots a run steps) of a decoder of `slots` slots, ascending:
   `slots` halved down to `slots` / `fraction` (at least 1)."""
@@ -133,9 +138,8 @@ class SlotDecoder:
     self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
-    if min_rows_fraction is None:
-      min_rows_fraction = MIN_ROWS_FRACTION.get(jax.default_backend(), MIN_ROWS_FRACTION["cpu"])
-    self.run_sizes = run_sizes(slots, min_rows_fraction)
+    self.run_sizes = run_sizes(
+        slots, min_rows_fraction or default_min_rows_fraction(jax.default_backend()))
     self._runs = {rows: jit(f"slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
                             donate_argnums=1) for rows in self.run_sizes}
     self._results = jit("slots_results", fn=self._results_fn)

@@ -75,7 +75,7 @@ class Translator:
     platform = platform or jax.default_backend()
     self.lanes = slots.default_lanes(platform)
     self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])
-    self.min_rows_fraction = slots.MIN_ROWS_FRACTION.get(platform, slots.MIN_ROWS_FRACTION["cpu"])
+    self.min_rows_fraction = slots.default_min_rows_fraction(platform)
 
   @property
   def model(self):
