@@ -1,4 +1,5 @@
-"""Traced programs kept on disk (programs.py): a later store runs them without tracing."""
+"""Compiled programs kept on disk (programs.py): a later store runs them without tracing
+or compiling."""
 
 import threading
 
@@ -24,7 +25,7 @@ def test_a_second_store_runs_the_kept_program_without_tracing(tmp_path):
   fn, traces = _counted()
   state, x = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}, jnp.arange(3.0)
   first = ProgramStore(tmp_path).jit("add", "v1", fn, donate_argnums=0)(state, x)
-  assert len(traces) == 1 and len(list(tmp_path.glob("add-*.jax_export"))) == 1
+  assert len(traces) == 1 and len(list(tmp_path.glob("add-*.executable"))) == 1
 
   fn2, traces2 = _counted()
   state = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}
@@ -37,14 +38,14 @@ def test_a_second_store_runs_the_kept_program_without_tracing(tmp_path):
   # Another description, or other shapes, is another program.
   ProgramStore(tmp_path).jit("add", "v2", fn2)({"sum": jnp.zeros(()), "last": x}, x)
   ProgramStore(tmp_path).jit("add", "v1", fn2)({"sum": jnp.zeros(()), "last": x}, jnp.arange(4.0))
-  assert len(traces2) == 2 and len(list(tmp_path.glob("add-*.jax_export"))) == 3
+  assert len(traces2) == 2 and len(list(tmp_path.glob("add-*.executable"))) == 3
 
 
-def test_a_damaged_program_is_traced_again_with_a_warning(tmp_path, caplog):
+def test_a_damaged_program_is_compiled_again_with_a_warning(tmp_path, caplog):
   fn, traces = _counted()
   x = jnp.arange(3.0)
   ProgramStore(tmp_path).jit("add", "v1", fn)({"sum": jnp.zeros(())}, x)
-  (path,) = tmp_path.glob("add-*.jax_export")
+  (path,) = tmp_path.glob("add-*.executable")
   path.write_bytes(path.read_bytes()[:100])
   fn2, traces2 = _counted()
   out = ProgramStore(tmp_path).jit("add", "v1", fn2)({"sum": jnp.zeros(())}, x)
@@ -90,4 +91,5 @@ def test_arguments_of_another_dtype_or_weak_type_are_other_programs(tmp_path):
   sums = [float(add(state(), x)["sum"]) for x in calls]
   assert sums == [3.0, 6.0, 3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 2.0]
   assert len(traces) == 5  # float32 [3], int32 [3], float32 (), weak float (), weak int ().
-  assert len(list(tmp_path.glob("add-*.jax_export"))) == 5
+  assert len(list(tmp_path.glob("add-*.executable"))) == 5
+

@@ -1,6 +1,10 @@
 """Decoding slots against the batch decoders, on the trained smoke model: the same tokens and
 scores for every sentence, with sentences of many lengths entering and leaving few slots."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,3 +259,48 @@ def test_no_decoder_emits_the_padding_of_the_models_vocabulary(trained, sources)
     tokens, _ = t.decode(src, options)
     assert tokens.max() < vocab
     assert max(out.max() for out, _ in t.decode_slots(rows, options, num_slots=4)) < vocab
+
+
+_CACHE_CHILD = """
+import sys
+import jax, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from transformer_jax import generation, slots
+from transformer_jax.programs import ProgramStore
+from transformer_jax.translator import SPECIALS, Translator
+
+translator = Translator(sys.argv[1])
+rows = [np.array([5 + (7 * i + j) % 40 for j in range(2 + i % 9)] + [SPECIALS.eos], np.int32)
+        for i in range(10)]
+
+def decode(programs):
+  decoder = slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 3,
+                              16, 26, SPECIALS, beam_size=2, programs=programs)
+  return [tokens.tolist() for tokens, _ in decoder.decode_all(rows, [26] * len(rows))]
+
+outs = [decode(ProgramStore(None)), decode(ProgramStore(sys.argv[3]))] if sys.argv[4] == "all" else []
+outs.append(decode(ProgramStore(sys.argv[3])))
+assert all(out == outs[0] for out in outs)
+print(outs[-1])
+"""
+
+
+def test_slot_programs_kept_beside_the_compilation_cache_run_here_and_in_a_later_process(
+    trained, tmp_path):
+  """Slot programs that jax.jit compiled into the persistent compilation cache, then kept by a
+  store and loaded by another, decode alike in that process and in a later one: a store
+  compiles apart from the cache (on a CPU an executable the cache gives back serializes
+  without some of its kernels, and a copy loaded from that fails: "Function ... not found")."""
+  cache, store = tmp_path / "jax_cache", tmp_path / "programs"
+  run = lambda mode: subprocess.run(
+      [sys.executable, "-c", _CACHE_CHILD, str(trained[1]), str(cache), str(store), mode],
+      capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+  first = run("all")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert list(cache.iterdir())  # The cache was on: jax.jit's programs went into it,
+  assert not list(cache.glob("*kept_*"))  # and none of the store's.
+  assert {p.name.split("-")[0] for p in store.glob("*.executable")} >= {"slots_run_3"}
+  later = run("loaded")
+  assert later.returncode == 0, later.stderr[-3000:]
+  assert later.stdout == first.stdout and first.stdout.startswith("[[")

@@ -1,42 +1,65 @@
-"""Traced programs kept on disk, so that a later command neither traces nor lowers them.
+"""Compiled programs kept on disk, so that a later command runs them at once.
 
 jax's persistent compilation cache saves the compiling, but a command still traces and lowers
 every program to find its cache entry: for the decoding slots of three width classes, several
-seconds of a command's start. A `ProgramStore` keeps each program as jax.export serializes it
-(StableHLO and its calling convention), under a key made of what the program is (its name, the
-caller's description of what it closes over, its arguments' shapes and types) and of what built
-it (jax and jaxlib, the device, XLA_FLAGS and this package's source code): a later process with
-the same key loads it instead of tracing, and the compilation cache gives its executable. A
-program the store cannot write or read back (a file cut short, another jax) is traced as usual,
-with a warning."""
+seconds of a command's start. A `ProgramStore` keeps the compiled executable itself
+(jax.experimental.serialize_executable), under a key made of what the program is (its name,
+the caller's description of what it closes over, its arguments' shapes and types) and of what
+built it (jax and jaxlib, the device, this CPU's model and instruction sets, XLA_FLAGS and this
+package's source code): a later process with the same key loads it and neither traces, lowers
+nor compiles. A program the store cannot write or read back (a file cut short, another jax) is
+compiled again, with a warning. The files are pickles: keep the directory as private as the
+workdir it belongs to.
+
+A store compiles its programs around jax's persistent compilation cache, neither reading nor
+writing it: on a CPU (jax 0.10.2) an executable that the cache gave back serializes without
+some of its kernels, and the copy loaded from that fails to run ("Function ... not found").
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import pickle
+import platform
 import threading
+import uuid
 from pathlib import Path
 from typing import Callable
 
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import serialize_executable
 
 from transformer_jax import fs
 
 
 @functools.cache
 def _build_key() -> str:
-  """What built a program: jax, jaxlib, the devices, XLA_FLAGS and this package's code."""
+  """What built a program: jax, jaxlib, the devices, the host CPU (an executable is compiled
+  for its instruction sets), XLA_FLAGS and this package's code."""
   digest = hashlib.sha256()
   device = jax.devices()[0]
   for part in (jax.__version__, jax.lib.__version__, device.platform, device.device_kind,
-               str(jax.device_count()), os.environ.get("XLA_FLAGS", "")):
+               str(jax.device_count()), platform.machine(), _cpu_flags(),
+               os.environ.get("XLA_FLAGS", "")):
     digest.update(part.encode() + b"\0")
   for path in sorted(Path(__file__).parent.rglob("*.py")):
     digest.update(path.read_bytes())
   return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+  """The host CPU's model and instruction-set flags (Linux), else its name."""
+  try:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return platform.processor()
+  return "\n".join(sorted({line for line in lines
+                           if line.startswith(("model name", "flags", "Features"))}))
 
 
 def _signature(args) -> tuple:
@@ -63,7 +86,6 @@ class ProgramStore:
     """jax.jit(fn, **jit_args), its programs kept under `name` and `describe`: a description of
     everything the function closes over (sizes, settings, constants) that its arguments' shapes
     do not say. Threads may call it at once: each program is compiled by one of them."""
-    jitted = jax.jit(fn, **jit_args)
     ready: dict[tuple, Callable] = {}  # By signature: the programs compiled (or loaded).
     lock = threading.Lock()
 
@@ -75,28 +97,53 @@ class ProgramStore:
       with lock:  # Threads that meet a program first at once: one compiles it, the rest wait.
         program = ready.get(signature)
         if program is None:
-          program = (jitted if self.directory is None else
-                     self._program(name, describe, signature, jitted, jit_args, args))
+          program = (jax.jit(fn, **jit_args) if self.directory is None else
+                     self._program(name, describe, signature, fn, jit_args, args))
           out = program(*args)  # Compiles (or loads) it.
           ready[signature] = program
           return out
       return program(*args)
     return call
 
-  def _program(self, name: str, describe: str, signature: tuple, jitted, jit_args: dict, args):
+  def _program(self, name: str, describe: str, signature: tuple, fn: Callable,
+               jit_args: dict, args):
+    """The compiled program of `fn` for `args`: loaded from the directory, else compiled and
+    kept there."""
     key = hashlib.sha256("\0".join((_build_key(), name, describe, repr(signature))).encode())
-    path = self.directory / f"{name}-{key.hexdigest()[:40]}.jax_export"
-    exported = None
+    path = self.directory / f"{name}-{key.hexdigest()[:40]}.executable"
     if path.exists():
       try:
-        exported = jax.export.deserialize(bytearray(path.read_bytes()))
-      except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is traced again.
-        logging.warning("tracing %s again: its kept program %s did not load (%s)", name, path, e)
-    if exported is None:
-      exported = jax.export.export(jitted)(*args)
-      try:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fs.replace_file(path, exported.serialize())
-      except OSError as e:  # Keeping it is an optimization, never a failure.
-        logging.warning("could not keep the traced %s in %s (%s)", name, self.directory, e)
-    return jax.jit(exported.call, **jit_args)
+        return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+      except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is compiled again.
+        logging.warning("compiling %s again: its kept program %s did not load (%s)", name, path,
+                        e)
+    compiled = _compile_apart(name, fn, jit_args, args)
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      fs.replace_file(path, pickle.dumps(serialize_executable.serialize(compiled)))
+    except (OSError, ValueError, TypeError, pickle.PicklingError) as e:
+      # Keeping it is an optimization, never a failure.
+      logging.warning("could not keep the compiled %s in %s (%s)", name, self.directory, e)
+    return compiled
+
+
+def _compile_apart(name: str, fn: Callable, jit_args: dict, args):
+  """jax.jit(fn, **jit_args) compiled for `args` around the persistent compilation cache: under
+  a module name of its own (no entry of the cache has it, so none is read) and, where jax offers
+  the thread's setting, with the cache's minimum compile time out of reach (none is written)."""
+  def program(*inner):
+    return fn(*inner)
+  program.__name__ = program.__qualname__ = f"kept_{name}_{uuid.uuid4().hex[:12]}"
+  with _no_cache_writes():
+    return jax.jit(program, **jit_args).lower(*args).compile()
+
+
+def _no_cache_writes():
+  """A context in which this thread's compilations write no persistent cache entry (jax's
+  private per-thread setting; where a jax lacks it, nothing: the entries written are never
+  read, their module names being unique)."""
+  try:
+    from jax._src import config as jax_config  # noqa: PLC0415 -- private, so guarded.
+    return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+  except (ImportError, AttributeError, TypeError):
+    return contextlib.nullcontext()
