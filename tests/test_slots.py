@@ -121,6 +121,25 @@ def _counting_model(vocab=16):
 
 
 @pytest.mark.quick
+def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
+  """A file's last sources, and a server's few new ones, are encoded in a batch of an eighth,
+  a quarter or a half of the slots where one fits (on a CPU; an accelerator has the eighth and
+  all of them), not in one of every slot."""
+  assert slots.encode_sizes(128) == [16, 32, 64, 128]
+  assert slots.encode_sizes(128, fraction=1) == [16, 128]
+  assert slots.encode_sizes(4) == [1, 2, 4]
+  lengths = [3 + i % 5 for i in range(16 + 7)]  # A batch of every slot, then 7 sources.
+  sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
+  decoder = slots.SlotDecoder(_counting_model(), None, 16, 8, 12, SPECIALS)
+  rows, encode = [], decoder._encode
+  decoder._encode = lambda params, src: (rows.append(src.shape[0]), encode(params, src))[1]
+  results = decoder.decode_all(sources, [12] * len(sources))
+  assert rows == [16, 8]
+  for n, (tokens, _) in zip(lengths, results):
+    assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam_size):
   lengths = [9, 2, 5, 3, 12, 4, 7, 2, 6, 3, 10, 5]

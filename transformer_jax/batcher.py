@@ -413,7 +413,7 @@ class SlotBatcher:
     before serving."""
     start = time.monotonic()
     for width in widths:
-      for count in (1, stream.decoder.slots):  # Both encoder batch sizes.
+      for count in stream.decoder.encode_sizes:  # Every encoder batch size.
         for n in range(count):
           stream.put(-1 - n, np.array([3] * (width - 1) + [2], np.int32), 2, 0.6)
         while stream.busy:
