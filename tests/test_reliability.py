@@ -289,3 +289,24 @@ def test_num_steps_below_the_latest_checkpoint_is_an_error(trained):
     trainer.train_and_evaluate(config, str(source))
   assert (source / "metrics.jsonl").read_text() == before
   assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["10", "20"]
+
+
+@pytest.mark.quick
+def test_fingerprints_are_the_same_in_numpy_as_on_the_device():
+  """A CPU's arrays are fingerprinted with numpy (no program to compile at each restore),
+  others on their device: both give the same sums for every dtype a state holds, and one
+  changed value changes them."""
+  rng = np.random.default_rng(0)
+  tree = {"float32": rng.normal(size=(300, 77)).astype(np.float32),
+          "int32": rng.integers(-5, 5, (13,), dtype=np.int32), "bool": rng.random(7) > 0.5,
+          "bfloat16": jax.numpy.asarray(rng.normal(size=(5, 3)), jax.numpy.bfloat16),
+          "uint8": np.arange(9, dtype=np.uint8), "scalar": jax.numpy.float32(3.5),
+          "key": jax.random.key_data(jax.random.PRNGKey(3))}
+  tree = jax.tree.map(jax.numpy.asarray, tree)
+  host = checkpoint.fingerprints(tree)
+  assert all(isinstance(f, np.ndarray) for f in host)  # Computed by numpy.
+  device = checkpoint._device_fingerprints(tree)
+  assert [f.tolist() for f in host] == [np.asarray(f).tolist() for f in device]
+  changed = dict(tree, float32=tree["float32"].at[123, 4].add(1e-3))
+  at = sorted(tree).index("float32")  # Leaves in the order of their keys.
+  assert (checkpoint.fingerprints(changed)[at] != host[at]).all()

@@ -63,21 +63,52 @@ class CheckpointMismatchError(UserError, ValueError):
 _WEIGHTS = (np.uint32(2654435761), np.uint32(2246822519))
 
 
+def fingerprints(tree) -> list:
+  """Per leaf, two position-weighted sums of its bits mod 2**32 ([2] uint32). A change of any
+  single value changes both; the sums are exact integers, so they depend neither on the
+  sharding nor on where they are computed: with numpy where every leaf is already in this
+  process's memory (a CPU's arrays: no program to trace and compile at each restore), else
+  where the leaves live."""
+  leaves = jax.tree.leaves(tree)
+  if all(_in_host_memory(x) for x in leaves):
+    return [_host_fingerprint(np.asarray(x)) for x in leaves]
+  return _device_fingerprints(tree)
+
+
+def _in_host_memory(x) -> bool:
+  """Whether `x` reads as numpy without a copy from a device: a numpy array, or a jax array
+  whole on this process's CPU; of 4 bytes an element at most."""
+  if isinstance(x, jax.Array):
+    return x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices()) and (
+        x.dtype.itemsize <= 4)
+  return isinstance(x, np.ndarray) and x.dtype.itemsize <= 4
+
+
+def _bits(x, xp):
+  """The leaf's values as uint32 words, flat (numpy or jax.numpy as `xp`)."""
+  if x.dtype == xp.bool_ or x.dtype.itemsize == 1:
+    bits = x.astype(xp.uint32)
+  elif x.dtype.itemsize == 2:
+    bits = (x.view(np.uint16) if xp is np else
+            jax.lax.bitcast_convert_type(x, jnp.uint16)).astype(xp.uint32)
+  else:  # 4 bytes as they are; 8 bytes as two uint32 words.
+    bits = x.view(np.uint32) if xp is np else jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return bits.reshape(-1)
+
+
+def _host_fingerprint(x: np.ndarray) -> np.ndarray:
+  bits = _bits(np.ascontiguousarray(x), np)
+  i = np.arange(bits.size, dtype=np.uint32)
+  with np.errstate(over="ignore"):  # Sums mod 2**32, as the device computes them.
+    return np.array([np.sum(bits * (i * w + np.uint32(2 * k + 1)), dtype=np.uint32)
+                     for k, w in enumerate(_WEIGHTS)], np.uint32)
+
+
 @jax.jit
-def fingerprints(tree) -> list[jax.Array]:
-  """Per leaf, two position-weighted sums of its bits mod 2**32 ([2] uint32), computed where the
-  leaf lives. A change of any single value changes both; the sums are exact integers, so they do
-  not depend on the sharding."""
+def _device_fingerprints(tree) -> list[jax.Array]:
   out = []
   for x in jax.tree.leaves(tree):
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_ or x.dtype.itemsize == 1:
-      bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 2:
-      bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    else:  # 4 bytes as they are; 8 bytes as two uint32 words.
-      bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = bits.reshape(-1)
+    bits = _bits(jnp.asarray(x), jnp)
     i = jnp.arange(bits.size, dtype=jnp.uint32)
     out.append(jnp.stack([jnp.sum(bits * (i * w + np.uint32(2 * k + 1)), dtype=jnp.uint32)
                           for k, w in enumerate(_WEIGHTS)]))

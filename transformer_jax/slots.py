@@ -20,12 +20,12 @@ the first `rows` slots, the smallest of the sizes `slots`, `slots` / 2, ... (on 
 `slots` / 16) that holds every active search, so a step costs as many rows as are busy, not as
 many as were allocated (a server's few clients, a file's last sentences). On an accelerator a
 step of a few rows costs about what one of every slot does, so `run` has one size there: each
-size is one more program to compile and to load at start-up. New searches take the
-lowest free slots, and when the searches still running would fit a smaller size, a `compact`
-program trades those beyond it for free slots below it. A `SlotStream` feeds one decoder: sources are put in
-as they come (a file's, or a server's requests') and come out as they finish; several streams
-of one decoder (each with its own state) may run in threads of their own at once, sharing its
-programs (`decode_all`'s lanes). A sentence's
+size is one more program to compile and to load at start-up. New searches take the lowest free
+slots, and when the searches still running would fit a smaller size, a `compact` program
+trades those beyond it for free slots below it. A `SlotStream` feeds one decoder: sources are
+put in as they come (a file's, or a server's requests') and come out as they finish; several
+streams of one decoder (each with its own state) may run in threads of their own at once,
+sharing its programs (`decode_all`'s lanes). A sentence's
 tokens and scores are those the batch decoders give it (its output limit is its own: the
 caller's `limits`); sampling draws each sentence's tokens from keys of its item number and
 step (decode.row_keys), so they do not depend on its neighbours either.

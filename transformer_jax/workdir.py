@@ -181,10 +181,11 @@ class Workdir:
                   step: int | None = None) -> tuple[int, object]:
     """(step, parameters) of a checkpoint, sharded over `mesh` by their logical names: `step`'s,
     or the newest that reads back and verifies. `key`: "params" or "ema_params"."""
-    dummy = jnp.ones((1, 2), jnp.int32)
+    dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
     inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
-    # Still boxed: the checkpointer turns the logical names into shardings.
-    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"]
+    # Still boxed: the checkpointer turns the logical names into shardings. The key is made
+    # inside, so that nothing here runs (each op run eagerly is a program to compile or load).
+    abstract = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
     ckpt = self.checkpointer(read_only=True)
     try:
       if step is None:
