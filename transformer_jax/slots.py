@@ -11,7 +11,7 @@ drives (`decode_all`):
   refill(state, ...)           free slots (empty, or their search ended) take new sources
   run(state, min_free, steps)  steps every search until `min_free` slots are free, none runs,
                                or `steps` steps are done
-  compact(state, src, dst)     searches traded for free slots (the active ones to the first)
+  compact(state, order)        the slots reordered (the active ones first)
 
 Each program is compiled once for the decoder's shape (slots, source width, output length,
 beam size), whatever the traffic and the length penalty (each search has its own alpha);
@@ -22,9 +22,9 @@ many as were allocated (a server's few clients, a file's last sentences). On an 
 step of a few rows costs about what one of every slot does, so `run` has one size there: each
 size is one more program to compile and to load at start-up. New searches take the lowest free
 slots, and when the searches still running would fit a smaller size, a `compact` program
-trades those beyond it for free slots below it. A `SlotStream` feeds one decoder: sources are
-put in as they come (a file's, or a server's requests') and come out as they finish; several
-streams of one decoder (each with its own state) may run in threads of their own at once,
+moves them to the first slots. A `SlotStream` feeds one decoder: sources are put in as they
+come (a file's, or a server's requests') and come out as they finish; several streams of one
+decoder (each with its own state) may run in threads of their own at once,
 sharing its programs (`decode_all`'s lanes). A sentence's
 tokens and scores are those the batch decoders give it (its output limit is its own: the
 caller's `limits`); sampling draws each sentence's tokens from keys of its item number and
@@ -120,14 +120,6 @@ def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[i
   return sorted({max(1, slots // f) for f in fractions})
 
 
-def _swap(x: jax.Array, a, b, n: int) -> jax.Array:
-  """`x` with its leading rows a..a+n and b..b+n traded."""
-  rows_a = jax.lax.dynamic_slice_in_dim(x, a, n, 0)
-  rows_b = jax.lax.dynamic_slice_in_dim(x, b, n, 0)
-  x = jax.lax.dynamic_update_slice_in_dim(x, rows_b, a, 0)
-  return jax.lax.dynamic_update_slice_in_dim(x, rows_a, b, 0)
-
-
 def _where(mask: jax.Array, new, old):
   """Per leading index: `new`'s rows where `mask` [U], else `old`'s (pytrees alike)."""
   return jax.tree.map(lambda n, o: jnp.where(mask.reshape(-1, *[1] * (o.ndim - 1)), n, o),
@@ -172,7 +164,7 @@ class SlotDecoder:
     state = self._empty(self.params)
     for run in self._runs.values():
       state, _, _ = run(self.params, state, np.int32(0), np.int32(0))
-    jax.block_until_ready(self._compact(state, *np.full((2, self.slots), -1, np.int32)))
+    jax.block_until_ready(self._compact(state, np.arange(self.slots, dtype=np.int32)))
 
   # --- the compiled programs ---------------------------------------------------------------
 
@@ -224,20 +216,14 @@ class SlotDecoder:
     state.update(_where(fill, fresh, {key: state[key] for key in fresh}))
     return state
 
-  def _compact_fn(self, state, src, dst):
-    """Slots src[j] and dst[j] trade what they hold, for every j with src[j] >= 0: a few
-    searches moved into free slots in place (a permutation of every slot would copy all of
-    their caches)."""
-    k = self.k
-
-    def swap(j, held):
-      a, b = src[j], dst[j]
-      one = lambda x: _swap(x, a, b, 1)
-      state = {key: jax.tree.map(one, value) for key, value in held.items() if key != "cache"}
-      state["cache"] = jax.tree.map(lambda x: _swap(x, a * k, b * k, k), held["cache"])
-      return state
-
-    return jax.lax.fori_loop(0, jnp.sum(src >= 0), swap, dict(state))
+  def _compact_fn(self, state, order):
+    """Slot u takes what slot order[u] held (a permutation of the slots)."""
+    rows = (order[:, None] * self.k + jnp.arange(self.k)[None, :]).reshape(-1)
+    state = dict(state)
+    cache = state.pop("cache")
+    state = jax.tree.map(lambda x: jnp.take(x, order, axis=0), state)
+    state["cache"] = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+    return state
 
   def _prefix(self, state, rows: int):
     """The state of the first `rows` slots (their cache's first rows * K rows)."""
@@ -456,18 +442,14 @@ class SlotStream:
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
 
   def _compacted(self) -> int:
-    """The smallest run size that holds the active searches, after trading those beyond it
-    for free slots below it."""
+    """The smallest run size that holds the active searches, after moving them to the first
+    slots if one lies beyond it."""
     d = self.decoder
     rows = next(size for size in d.run_sizes if size >= self._active.sum())
     if self._active[rows:].any():
-      src = np.flatnonzero(self._active[rows:]) + rows
-      dst = np.flatnonzero(~self._active[:rows])[:len(src)]
-      moves = np.full((2, d.slots), -1, np.int32)
-      moves[0, :len(src)], moves[1, :len(src)] = src, dst
-      self._state = d._compact(self._state, moves[0], moves[1])
-      for array in (self._active, self._item):
-        array[dst], array[src] = array[src], array[dst]
+      order = np.concatenate([np.flatnonzero(self._active), np.flatnonzero(~self._active)])
+      self._state = d._compact(self._state, order.astype(np.int32))
+      self._active, self._item = self._active[order], self._item[order]
     return rows
 
   def _encode_next(self) -> None:
