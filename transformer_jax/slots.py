@@ -24,11 +24,11 @@ size is one more program to compile and to load at start-up. New searches take t
 slots, and when the searches still running would fit a smaller size, a `compact` program
 moves them to the first slots. A `SlotStream` feeds one decoder: sources are put in as they
 come (a file's, or a server's requests') and come out as they finish; several streams of one
-decoder (each with its own state) may run in threads of their own at once,
-sharing its programs (`decode_all`'s lanes). A sentence's
-tokens and scores are those the batch decoders give it (its output limit is its own: the
-caller's `limits`); sampling draws each sentence's tokens from keys of its item number and
-step (decode.row_keys), so they do not depend on its neighbours either.
+decoder (each with its own state) may run in threads of their own at once, sharing its
+programs (`decode_all`'s lanes). A sentence's tokens and scores are those the batch decoders
+give it (its output limit is its own: the caller's `limits`); sampling draws each sentence's
+tokens from keys of its item number and step (decode.row_keys), so they do not depend on its
+neighbours either.
 """
 
 from __future__ import annotations
