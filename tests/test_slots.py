@@ -3,6 +3,7 @@ scores for every sentence, with sentences of many lengths entering and leaving f
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -175,6 +176,35 @@ def test_lanes_decode_every_source_as_one_stream_does(beam_size):
 
 
 @pytest.mark.quick
+def test_lanes_take_jobs_from_both_ends_and_give_each_source_what_one_stream_does():
+  """Jobs for decoders of two widths (translate's width classes), two lanes: one lane starts
+  on the first job and the other on the last, each going on to the other job without waiting,
+  and every source gets what one stream of its own decoder gives it."""
+  narrow = slots.SlotDecoder(_counting_model(), None, 4, 8, 12, SPECIALS)
+  wide = slots.SlotDecoder(_counting_model(), None, 4, 16, 20, SPECIALS)
+  first_batch = {}  # Per lane (thread): the width of its first encoder batch.
+  for decoder in (narrow, wide):
+    def encode(params, src, plain=decoder._encode, width=decoder.width):
+      first_batch.setdefault(threading.current_thread().name, width)
+      return plain(params, src)
+    decoder._encode = encode
+  lengths = {8: [3 + i % 6 for i in range(30)], 16: [9 + i % 8 for i in range(30)]}
+  sources = {w: [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths[w]]
+             for w in lengths}
+  jobs = [slots.Job(wide, sources[16], [20] * 30, 0.6),
+          slots.Job(narrow, sources[8], [12] * 30, 0.6)]
+  finished = []
+  got = slots.decode_jobs(jobs, progress=finished.append, lanes=2)
+  assert sorted(first_batch.values()) == [8, 16]
+  assert sum(finished) == 60
+  for job, results in zip(jobs, got):
+    one = job.decoder.decode_all(job.sources, job.limits)
+    for (a_tokens, a_scores), (b_tokens, b_scores) in zip(one, results):
+      np.testing.assert_array_equal(a_tokens, b_tokens)
+      np.testing.assert_array_equal(a_scores, b_scores)
+
+
+@pytest.mark.quick
 def test_an_error_in_one_lane_stops_the_others_and_is_raised():
   sources = [np.array([7] * 11 + [SPECIALS.eos], np.int32) for _ in range(40)]
   decoder = slots.SlotDecoder(_counting_model(), None, 2, 16, 20, SPECIALS)
@@ -282,6 +312,7 @@ def test_no_decoder_emits_the_padding_of_the_models_vocabulary(trained, sources)
 
 _CACHE_CHILD = """
 import sys
+import threading
 import jax, numpy as np
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

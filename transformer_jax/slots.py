@@ -313,35 +313,74 @@ class SlotDecoder:
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Decodes every source (token ids with <eos>, unpadded; each at most `width` tokens,
     output limit limits[i] at most `max_len`) with length penalty `alpha` (default: the
-    decoder's): [(tokens [K, L],
-    scores [K])] in their order. Sources start longest first (the slots' last steps then hold
-    the shortest), and source i is item i (its sampling keys).
+    decoder's): [(tokens [K, L], scores [K])] in their order. Sources start longest first (the
+    slots' last steps then hold the shortest), and source i is item i (its sampling keys).
 
     `refill_at`: how many free slots end a run while sources wait (default: an eighth of the
     slots): fewer cost more round trips to the host, more leave slots idle. `progress(n)`:
     called with the number of sources each run finished (from the lanes' threads).
 
     `lanes`: streams of `slots` slots each that decode the sources at once, each in a thread
-    of its own, the longest-first order dealt out among them in turn."""
-    results: list[Any] = [None] * len(sources)
-    refill_at = refill_at or max(1, self.slots // 8)
-    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
-    stop = threading.Event()
+    of its own (decode_jobs)."""
+    job = Job(self, sources, limits, self.alpha if alpha is None else alpha)
+    return decode_jobs([job], refill_at, progress, lanes)[0]
 
-    def lane(items: list[int]) -> None:
-      stream = SlotStream(self)
-      for i in items:
-        stream.put(i, sources[i], limits[i], self.alpha if alpha is None else alpha)
-      while stream.busy and not stop.is_set():
-        finished = stream.advance(refill_at if stream.waiting else self.slots + 1)
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """Sources for one decoder (decode_all's arguments): their output limits and length penalty."""
+  decoder: SlotDecoder
+  sources: list[np.ndarray]
+  limits: list[int]
+  alpha: float
+
+
+def decode_jobs(jobs: list[Job], refill_at: int | None = None,
+                progress: Callable[[int], None] | None = None, lanes: int = 1
+                ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+  """Decodes the jobs' sources (SlotDecoder.decode_all, per job) in `lanes` streams at once,
+  each driven by a thread of its own through the jobs: a lane takes a job's sources, longest
+  first, a batch of its slots at a time as its slots free up, and goes on to its next job once
+  none is left to take and its own searches have ended, without waiting for the other lanes.
+  Every other lane goes through the jobs in reverse order, so that lanes decode different jobs
+  at once until they meet: translate's width classes then share the cores (a wide class's
+  steps wait on memory, a narrow one's compute), their programs load while the other lane
+  decodes, and their last few searches do not all run at the same time (docs/translating.md).
+  Returns each job's results, in its sources' order."""
+  results = [[None] * len(job.sources) for job in jobs]
+  longest_first = lambda job: sorted(range(len(job.sources)), key=lambda i: -len(job.sources[i]))
+  pending = [collections.deque(longest_first(job)) for job in jobs]
+  lock, stop = threading.Lock(), threading.Event()
+
+  def take(j: int, n: int) -> list[int]:
+    with lock:
+      return [pending[j].popleft() for _ in range(min(n, len(pending[j])))]
+
+  def lane(order) -> None:
+    for j in order:
+      if not pending[j]:  # The other lanes took them all (none comes back).
+        continue
+      job = jobs[j]
+      d = job.decoder
+      stream = SlotStream(d)
+      while not stop.is_set():
+        if not stream.waiting:  # At most one encoder batch waits beside the slots.
+          for i in take(j, d.slots):
+            stream.put(i, job.sources[i], job.limits[i], job.alpha)
+        if not stream.busy:
+          break
+        finished = stream.advance((refill_at or max(1, d.slots // 8)) if stream.waiting
+                                  else d.slots + 1)
         for item, tokens, scores in finished:
-          results[item] = (tokens, scores)
+          results[j][item] = (tokens, scores)
         if progress and finished:
           progress(len(finished))
 
-    run_lanes([functools.partial(lane, order[j::lanes]) for j in range(min(lanes, len(order)))],
-              stop)
-    return results
+  most = max((len(job.sources) for job in jobs), default=0)
+  forward = list(range(len(jobs)))
+  run_lanes([functools.partial(lane, forward[::-1] if k % 2 else forward)
+             for k in range(max(1, min(lanes, most)))], stop)
+  return results
 
 
 def run_lanes(work: list[Callable[[], None]], stop: threading.Event) -> None:

@@ -154,15 +154,17 @@ class Translator:
     class first (SLOT_WIDTHS says why)."""
     widths = self.slot_widths
     width_of = [next(w for w in widths if len(ids) <= w) for ids in sources]
-    results: list = [None] * len(sources)
+    jobs, members = [], []
     for width in sorted(set(width_of), reverse=True):
-      members = [i for i, w in enumerate(width_of) if w == width]
+      members.append([i for i, w in enumerate(width_of) if w == width])
       limits = [options.max_len or -(-len(sources[i]) // 8) * 8 + options.max_len_margin
-                for i in members]
-      decoder = self.slot_decoder(options, num_slots, width)
-      out = decoder.decode_all([sources[i] for i in members], limits, options.alpha,
-                               progress=progress, lanes=self.lanes)
-      for i, result in zip(members, out):
+                for i in members[-1]]
+      jobs.append(slots.Job(self.slot_decoder(options, num_slots, width),
+                            [sources[i] for i in members[-1]], limits, options.alpha))
+    results: list = [None] * len(sources)
+    for indices, out in zip(members, slots.decode_jobs(jobs, progress=progress,
+                                                       lanes=self.lanes)):
+      for i, result in zip(indices, out):
         results[i] = result
     return results
 
