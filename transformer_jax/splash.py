@@ -16,8 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
 from jax.sharding import PartitionSpec as P
 
 BLOCK = 128  # The kernel's default query and key block: lengths must be multiples of it.
@@ -29,9 +27,18 @@ def fits(q_len: int, kv_len: int) -> bool:
   return q_len % BLOCK == 0 and kv_len % BLOCK == 0
 
 
+def _libraries():
+  """jax's splash kernel and mask modules, imported when first needed, not with this module:
+  they take 0.06 s to import, and only a TPU (or a test of the kernel) runs them."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+      splash_attention_kernel, splash_attention_mask)
+  return splash_attention_kernel, splash_attention_mask
+
+
 def _kernel(heads: int, q_len: int, kv_len: int, causal: bool, interpret: bool):
   """The kernel for one example's [heads, length, H] (its mask's block map is computed here,
   while tracing: built anew for each trace, as it holds arrays of that trace)."""
+  kernel_lib, mask_lib = _libraries()
   one = mask_lib.CausalMask((q_len, kv_len)) if causal else mask_lib.FullMask((q_len, kv_len))
   return kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * heads), head_shards=1,
                                     q_seq_shards=1, interpret=interpret)
@@ -47,7 +54,8 @@ def attention(q, k, v, q_segments, kv_segments, causal: bool, interpret: bool = 
 
   def local(q, k, v, q_segments, kv_segments):  # This device's rows and heads.
     kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], causal, interpret)
-    one = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=kernel_lib.SegmentIds(qs, ks))
+    segment_ids = _libraries()[0].SegmentIds
+    one = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=segment_ids(qs, ks))
     return jax.vmap(one)(q, k, v, q_segments, kv_segments)
 
   mesh = jax.sharding.get_abstract_mesh()

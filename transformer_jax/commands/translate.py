@@ -214,6 +214,7 @@ def main(argv):
                            f"({FLAGS.beam_size}): raise --beam_size")
     if FLAGS.n_best:
       FLAGS.long_beam_size = 0  # The workdir's default: n-best decodes every source alike.
+    launch.keep_freed_memory()
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema,
                             programs=ProgramStore(cache / "programs"))
