@@ -165,6 +165,16 @@ def test_beams_stay_in_place_and_copies_never_read_an_overwritten_row(seed):
   rows = (np.arange(b)[:, None] * k + placed).reshape(-1)
   np.testing.assert_array_equal(np.asarray(got["k"]), np.asarray(cache["k"])[rows])
 
+  # Copying only the positions written (axis -2 of [rows, N, 13, H]): those equal the gather's,
+  # the rest of a moved row is left as it was, and no more than the smallest fraction is copied.
+  positions = jnp.asarray(rng.normal(size=(b * k, 2, 13, 3)), jnp.float32)
+  for written in (1, 3, 4, 5, 7, 13):
+    got = decode._copy_parents({"k": positions}, jnp.asarray(placed), jnp.int32(written), -2)
+    copied = next(-(-13 // f) for f in decode.COPY_FRACTIONS if written <= -(-13 // f))
+    want = np.array(positions)
+    want[:, :, :copied] = np.asarray(positions)[rows][:, :, :copied]
+    np.testing.assert_array_equal(np.asarray(got["k"]), want, err_msg=str(written))
+
 
 def test_beam_one_temperature_zero_and_top_k_one_equal_greedy():
   table = _random_table(7, length=6)

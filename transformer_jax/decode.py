@@ -179,22 +179,52 @@ def _stay_in_place(parents: jax.Array) -> jax.Array:
   return jnp.argmax(placed, axis=1).astype(jnp.int32)  # [B, place]: the new beam there.
 
 
-def _copy_parents(tree, parents: jax.Array):
+# The part of a cache row that a moved beam copies, as fractions of the row's positions: the
+# first quarter, half or all of them, the smallest that holds the positions written so far.
+COPY_FRACTIONS = (4, 2, 1)
+
+
+def _copy_parents(tree, parents: jax.Array, written: jax.Array | None = None,
+                  positions_axis: int | None = None):
   """Each [B * K, ...] leaf's row b * K + j becomes a copy of row b * K + parents[b, j], in
   place and only where they differ. Safe with `_stay_in_place`'s order: a row copied from is
-  a beam that continues in its own place, so no copy overwrites a row still to be read."""
+  a beam that continues in its own place, so no copy overwrites a row still to be read.
+
+  `positions_axis` (the cache's axis of positions, in leaves of 3 or more axes) and `written`
+  (a scalar: how many positions any row has written), given, copy only the first quarter, half
+  or all of that axis that holds the written ones (COPY_FRACTIONS): a row reads no position it
+  did not write, and a search's first steps then move a quarter of the bytes."""
   b, k = parents.shape
   dst = jnp.arange(b * k)
   src = (jnp.arange(b)[:, None] * k + parents).reshape(-1)
   moved = src != dst
   order = jnp.argsort(~moved, stable=True)  # The rows to copy first.
 
-  def copy(i, tree):
-    row = order[i]
-    return jax.tree.map(lambda x: x if x.ndim == 0 else lax.dynamic_update_index_in_dim(
-        x, lax.dynamic_index_in_dim(x, src[row], keepdims=False), row, 0), tree)
+  def copier(fraction: int):
+    def part(x):  # The copied block's shape: one row, the positions cut to the fraction.
+      shape = [1, *x.shape[1:]]
+      if positions_axis is not None and x.ndim >= 3:
+        axis = positions_axis % x.ndim
+        shape[axis] = -(-x.shape[axis] // fraction)
+      return shape
 
-  return lax.fori_loop(0, jnp.sum(moved), copy, tree)
+    def copy(i, tree):
+      row, zeros = order[i], lambda x: (0,) * (x.ndim - 1)
+      return jax.tree.map(lambda x: x if x.ndim == 0 else lax.dynamic_update_slice(
+          x, lax.dynamic_slice(x, (src[row], *zeros(x)), part(x)), (row, *zeros(x))), tree)
+    return copy
+
+  count = jnp.sum(moved)
+  lengths = [] if positions_axis is None else [
+      x.shape[positions_axis] for x in jax.tree.leaves(tree) if x.ndim >= 3]
+  if written is None or not lengths:
+    return lax.fori_loop(0, count, copier(1), tree)
+  taken = jnp.zeros((), bool)
+  for fraction in COPY_FRACTIONS:  # Exactly one of these loops runs (the others 0 times).
+    fits = (written <= -(-max(lengths) // fraction)) | (fraction == 1)
+    tree = lax.fori_loop(0, jnp.where(fits & ~taken, count, 0), copier(fraction), tree)
+    taken = taken | fits
+  return tree
 
 
 def tile_beams(tree, beams: int):
@@ -204,13 +234,14 @@ def tile_beams(tree, beams: int):
 
 def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_len: int,
                 specials: Specials, beam_size: int = 4, alpha: float = 0.6,
-                limits: jax.Array | None = None, stop: str = "exact"
-                ) -> tuple[jax.Array, jax.Array]:
+                limits: jax.Array | None = None, stop: str = "exact",
+                positions_axis: int | None = None) -> tuple[jax.Array, jax.Array]:
   """Beam search with GNMT's length penalty; `cache` is per sentence ([B, ...] leaves).
 
   A sentence's search ends by the rule `stop` (BEAM_STOPS). `limits` [B] (at most max_len):
   each sentence's own length limit; its search stops there (its state is kept from then on)
-  and ends as it would at max_len.
+  and ends as it would at max_len. `positions_axis`: the cache's axis of positions, if it has
+  one (beam_step).
   Returns:
     tokens [B, K, max_len] best first (<eos> then <pad> after the end), scores [B, K].
   """
@@ -225,7 +256,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
     return (i < max_len) & ~jnp.all(done)
 
   def body(state):
-    new = beam_step(tokens_to_logits, state, specials, alpha, k, stop)
+    new = beam_step(tokens_to_logits, state, specials, alpha, k, stop,
+                    positions_axis=positions_axis)
     if limits is None:
       return new
     # A sentence at its limit keeps its state (the cache's rows need not: nothing reads them).
@@ -265,12 +297,17 @@ def keep_beams(stopped: jax.Array, old, new):
 
 
 def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha, k: int,
-              stop: str = "exact"):
+              stop: str = "exact", positions_axis: int | None = None,
+              written: jax.Array | None = None):
   """One step of B searches of K beams: state (i, live_seqs [B, K, L+1], live_logp [B, K],
   fin_seqs, fin_scores, fin_flags, cache [B*K rows]) -> the next. `i`: the step, one for all
   searches ([]) or each its own ([B]). A candidate ending in <eos> joins the finished ones
   if it is among the step's 2K best ("exact") or K best ("first_k", as CTranslate2 counts
-  the hypotheses that end its search)."""
+  the hypotheses that end its search).
+
+  `positions_axis`: the cache's axis of positions (the model's caches: -2), where a step at
+  `i` writes position i; given, a beam moved to another row copies only the positions written
+  (`written`, default the largest i + 1; `_copy_parents`)."""
   if stop not in BEAM_STOPS:
     raise ValueError(f"beam stop {stop!r} is not one of {BEAM_STOPS}")
   i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state
@@ -313,7 +350,8 @@ def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha
   keep = jnp.take_along_axis(keep, place, axis=1)
   alive_logp = jnp.take_along_axis(alive_logp, place, axis=1)
   live_seqs = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-  cache = _copy_parents(cache, jnp.take_along_axis(beam, keep, axis=1))
+  written = jnp.max(i) + 1 if written is None else written
+  cache = _copy_parents(cache, jnp.take_along_axis(beam, keep, axis=1), written, positions_axis)
 
   # Finished: the K best of the old finished and the candidates that just ended.
   new_scores = jnp.where(ends, top_logp / penalty, NEG_INF)

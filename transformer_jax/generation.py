@@ -34,6 +34,11 @@ class DecodeOptions:
   beam_stop: str = "first_k"  # When a beam search ends: decode.BEAM_STOPS.
 
 
+# The axis of positions in the model's self-attention caches ([rows, N, L, H], or [rows, layers,
+# N, L, H] for a scanned stack: Decoder.init_cache).
+CACHE_POSITIONS = -2
+
+
 def encode_source(model: Transformer, params, src):
   """src [B, S] -> the source's decoding state (encoder run once, every layer's cross-attention
   keys and values computed once): Transformer.source_state."""
@@ -113,7 +118,8 @@ def slot_model(model, vocab: int | None = None) -> slots.SlotModel:
     return tuple(padded(encode_source(m, p, src)) for m, p in zip(models, members(params)))
 
   return slots.SlotModel(step=step, init_cache=init_cache, encode=encode,
-                         describe=repr((tuple(m.cfg for m in models), vocab)))
+                         describe=repr((tuple(m.cfg for m in models), vocab)),
+                         cache_positions=CACHE_POSITIONS)
 
 
 def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,
@@ -134,7 +140,7 @@ def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits
   emit, as `decoder`'s)."""
   step, cache = decoder(model, params, src, max_len, vocab)
   return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
-                            limits, beam_stop)
+                            limits, beam_stop, positions_axis=CACHE_POSITIONS)
 
 
 def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,

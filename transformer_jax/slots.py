@@ -85,6 +85,7 @@ class SlotModel:
   init_cache: Callable
   encode: Callable
   describe: str = ""  # What the functions close over (the model's config), for ProgramStore.
+  cache_positions: int | None = None  # The cache's axis of positions, if any (beam_step).
 
 
 # The smallest active size a run program is compiled for, as a fraction of the slots, by
@@ -285,7 +286,11 @@ class SlotDecoder:
                      logprob=jnp.where(running, logprob, state["logprob"]))
       else:
         old = (t, *state["beams"], state["cache"])
-        new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop)
+        # Only the running searches' rows are read again: what they wrote is what a moved
+        # beam copies.
+        new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop,
+                               positions_axis=self.model.cache_positions,
+                               written=jnp.max(jnp.where(running, t, 0)) + 1)
         new = decode.keep_beams(~running, old, new)
         state.update(beams=new[1:6], cache=new[6])
       state["t"] = t + running
