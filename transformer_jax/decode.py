@@ -221,7 +221,7 @@ def _copy_parents(tree, parents: jax.Array, written: jax.Array | None = None,
     return lax.fori_loop(0, count, copier(1), tree)
   taken = jnp.zeros((), bool)
   for fraction in COPY_FRACTIONS:  # Exactly one of these loops runs (the others 0 times).
-    fits = (written <= -(-max(lengths) // fraction)) | (fraction == 1)
+    fits = (written <= -(-min(lengths) // fraction)) | (fraction == 1)
     tree = lax.fori_loop(0, jnp.where(fits & ~taken, count, 0), copier(fraction), tree)
     taken = taken | fits
   return tree
