@@ -220,6 +220,31 @@ def test_an_error_in_one_lane_stops_the_others_and_is_raised():
 
 
 @pytest.mark.quick
+def test_after_an_error_no_lane_starts_another_job():
+  """Three jobs, two lanes, the first progress report fails: each lane has opened at most the
+  stream of its first job (a stream's state is allocated when it opens) when the error is
+  raised."""
+  decoders = [slots.SlotDecoder(_counting_model(), None, 2, 16, 20, SPECIALS) for _ in range(3)]
+  opened = []
+  for decoder in decoders:
+    empty = decoder._empty
+    decoder._empty = lambda params, plain=empty: (opened.append(1), plain(params))[1]
+  sources = [np.array([7] * 11 + [SPECIALS.eos], np.int32) for _ in range(40)]
+  jobs = [slots.Job(d, sources, [20] * 40, 0.6) for d in decoders]
+
+  reports = []
+
+  def progress(n):  # Only the first report fails: the other lane goes on until it sees that.
+    reports.append(n)
+    if len(reports) == 1:
+      raise RuntimeError("the output file's disk is full")
+
+  with pytest.raises(RuntimeError, match="disk is full"):
+    slots.decode_jobs(jobs, progress=progress, lanes=2)
+  assert len(opened) <= 2
+
+
+@pytest.mark.quick
 def test_run_sizes_halve_down_to_a_sixteenth_of_the_slots():
   assert slots.run_sizes(128) == [8, 16, 32, 64, 128]
   assert slots.run_sizes(32) == [2, 4, 8, 16, 32]

@@ -119,7 +119,7 @@ def keep_freed_memory() -> bool:
   the heap trimmed only past 2 GB free, and grown 256 MB at a time. Decoding allocates and
   frees arrays of a few MB at every call of its programs (an encoder batch's keys and values, a
   step's temporaries), and each one given back was paged in again: a translate command of
-  the Tatoeba file took 0.7-0.9 million page faults, 0.5 million with this, and 0.5-0.7 s
+  the Tatoeba file took 0.7-0.9 million page faults, 0.5 million with this, and 0.5-0.8 s
   less (docs/translating.md). Returns whether the settings took (False: not glibc)."""
   if not sys.platform.startswith("linux"):
     return False

@@ -363,6 +363,8 @@ def decode_jobs(jobs: list[Job], refill_at: int | None = None,
 
   def lane(order) -> None:
     for j in order:
+      if stop.is_set():  # Another lane failed: no new stream.
+        return
       if not pending[j]:  # The other lanes took them all (none comes back).
         continue
       job = jobs[j]
