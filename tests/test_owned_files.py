@@ -4,6 +4,7 @@ line before any work, and every file that existed before is byte for byte as it 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -170,3 +171,35 @@ def test_a_directory_of_hidden_files_or_a_stopped_runs_files_is_a_run(tmp_path):
   (tmp_path / "notes.txt").write_text("mine")
   with pytest.raises(WorkdirError, match="holds notes.txt and no config.json"):
     Workdir(tmp_path).check_is_a_run()
+
+
+def test_translate_on_a_full_disk_leaves_the_file_it_would_replace_as_it_was(run_copy, tmp_path):
+  """--output on a small file system of its own (a tmpfs in a private mount namespace) whose
+  free space cannot hold the translations: one error line, and the file that was there keeps
+  every byte. Written in place, it would have been emptied and cut."""
+  import shlex
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  small = tmp_path / "small"
+  small.mkdir()
+  lines = tmp_path / "in.txt"
+  lines.write_text("".join(f"It is {n} o'clock and the train is late again.\n"
+                           for n in range(400)))
+  translate = " ".join(shlex.quote(a) for a in [
+      sys.executable, "-m", "transformer_jax", "translate", "--workdir", str(run_copy),
+      "--input", str(lines), "--output", str(small / "out.txt")])
+  # 8 pages: the old output takes one, the filler six, and one is left for the new output.
+  fill = (f"mount -t tmpfs -o size=32k tmpfs {shlex.quote(str(small))} && "
+          f"printf 'mine\\n' > {shlex.quote(str(small / 'out.txt'))} && "
+          f"head -c 24576 /dev/zero > {shlex.quote(str(small / 'filler'))} && "
+          f"{translate}; status=$?; cat {shlex.quote(str(small / 'out.txt'))} > "
+          f"{shlex.quote(str(tmp_path / 'after.txt'))}; ls -a {shlex.quote(str(small))} > "
+          f"{shlex.quote(str(tmp_path / 'listing.txt'))}; exit $status")
+  result = subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", fill],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  line = _one_error_line(result)
+  assert "no space left on device" in line.lower(), line
+  assert (tmp_path / "after.txt").read_text() == "mine\n"
+  assert (tmp_path / "listing.txt").read_text().split() == [".", "..", "filler", "out.txt"]

@@ -412,7 +412,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
                                                        _table_shapes(state.params))
       if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
-        (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)
+        fs.replace_file(Path(hlo_dir) / f"{name}.hlo.txt", hlo.encode())
     entry["compile_seconds"] = round(time.perf_counter() - start, 1)
     if analytic[name] is not None:
       entry["analytic_flops_per_device"] = analytic[name] / n

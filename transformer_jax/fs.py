@@ -4,7 +4,10 @@ fills or a directory that goes away, is worded by errors.describe_os_error)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -59,12 +62,26 @@ def new_directory(output: str | Path):
 
 def replace_file(path: str | Path, data: bytes) -> None:
   """Writes `data` to `path` whole or not at all: into a new file beside it (a fresh name, so
-  no other file is touched), then renamed over `path`."""
-  path = Path(path)
-  handle, partial = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+  no other file is touched), then renamed over `path`. A symlink at `path` is written
+  through: the file it names is replaced and the link stays. A replaced file keeps its
+  permission bits; a new one gets what `open` would give it (0666 less the umask)."""
+  path = Path(os.path.realpath(path))
+  try:
+    mode = stat.S_IMODE(path.stat().st_mode)
+  except FileNotFoundError:
+    mode = None
+  while True:
+    partial = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
+    try:
+      handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+      break
+    except FileExistsError:
+      continue
   try:
     with open(handle, "wb") as f:
       f.write(data)
-    Path(partial).replace(path)
+    if mode is not None:
+      os.chmod(partial, mode)
+    partial.replace(path)
   finally:
-    Path(partial).unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)

@@ -48,7 +48,7 @@ def main(argv):
   report["config"] = F["config"].value if hasattr(F["config"], "value") else None
   print(aot.format_report(report))
   if F.json:
-    Path(F.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    fs.replace_file(F.json, (json.dumps(report, indent=2, default=str) + "\n").encode())
   if not report["fits"]:
     too_big = [k for k, p in report["programs"].items() if not p["fits"]]
     print(f"error: {', '.join(too_big)} does not fit in {report['chip']}'s "

@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import decode, errors, launch  # noqa: E402
+from transformer_jax import decode, errors, fs, launch  # noqa: E402
 from transformer_jax.commands.translate import check_output_path, read_lines  # noqa: E402
 from transformer_jax.generation import InferenceError  # noqa: E402
 from transformer_jax.workdir import Workdir  # noqa: E402
@@ -87,9 +87,9 @@ def main(argv):
     completer = Completer(FLAGS.workdir, FLAGS.step)
     texts = completer.complete(prompts, FLAGS.max_new_tokens, sampler, FLAGS.seed)
     if FLAGS.output:
-      Path(FLAGS.output).write_text(
-          "".join(json.dumps({"prompt": p, "completion": t}, ensure_ascii=False) + "\n"
-                  for p, t in zip(prompts, texts)), encoding="utf-8")
+      fs.replace_file(FLAGS.output, "".join(
+          json.dumps({"prompt": p, "completion": t}, ensure_ascii=False) + "\n"
+          for p, t in zip(prompts, texts)).encode("utf-8"))
     else:
       for p, t in zip(prompts, texts):
         print(f"{p}{t}\n{'-' * 40}")

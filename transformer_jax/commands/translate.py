@@ -243,7 +243,7 @@ def main(argv):
                                    batch_tokens=FLAGS.batch_tokens, num_slots=num_slots)
       text = "".join(h + "\n" for h in hypotheses)
     if FLAGS.output:
-      Path(FLAGS.output).write_text(text, encoding="utf-8")
+      fs.replace_file(FLAGS.output, text.encode("utf-8"))
     else:
       print(text, end="")
     if references is not None:
