@@ -6,6 +6,7 @@ import threading
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import serialize_executable
 
 from transformer_jax.programs import ProgramStore
 
@@ -93,3 +94,54 @@ def test_arguments_of_another_dtype_or_weak_type_are_other_programs(tmp_path):
   assert len(traces) == 5  # float32 [3], int32 [3], float32 (), weak float (), weak int ().
   assert len(list(tmp_path.glob("add-*.executable"))) == 5
 
+
+
+def _two_programs(store):
+  fn, traces = _counted()
+  add = store.jit("add", "v1", fn)
+  double = store.jit("double", "v1", lambda x: x * 2)
+  return add, double, traces
+
+
+def test_a_store_preloads_what_the_last_command_of_the_same_settings_called(tmp_path,
+                                                                          monkeypatch):
+  add, double, _ = _two_programs(ProgramStore(tmp_path))
+  add({"sum": jnp.zeros(())}, jnp.ones(3))
+  double(jnp.arange(4.0))
+  ProgramStore(tmp_path).remember("nothing called")  # Writes no list.
+  first = ProgramStore(tmp_path)
+  assert first.preload("greedy") is None  # No list yet.
+  add, double, _ = _two_programs(first)
+  double(jnp.arange(4.0))
+  add({"sum": jnp.zeros(())}, jnp.ones(3))
+  first.remember("greedy")
+  assert len(list(tmp_path.glob("used-*.json"))) == 1
+
+  store = ProgramStore(tmp_path)
+  store.preload("greedy").join()
+  assert store.preloaded == 2
+  monkeypatch.setattr(serialize_executable, "deserialize_and_load", None)  # Nothing loads now.
+  add, double, traces = _two_programs(store)
+  assert float(add({"sum": jnp.zeros(())}, jnp.ones(3))["sum"]) == 3.0
+  np.testing.assert_array_equal(double(jnp.arange(4.0)), [0.0, 2.0, 4.0, 6.0])
+  assert traces == []
+  other = ProgramStore(tmp_path)
+  assert other.preload("beam 4") is None and other.preloaded == 0
+
+
+def test_preloading_skips_what_a_call_took_first_and_a_damaged_program(tmp_path, caplog):
+  first = ProgramStore(tmp_path)
+  add, double, _ = _two_programs(first)
+  add({"sum": jnp.zeros(())}, jnp.ones(3))
+  double(jnp.arange(4.0))
+  first.remember("greedy")
+  (kept,) = tmp_path.glob("double-*.executable")
+  kept.write_bytes(kept.read_bytes()[:100])
+
+  store = ProgramStore(tmp_path)
+  add, double, traces = _two_programs(store)
+  assert float(add({"sum": jnp.zeros(())}, jnp.ones(3))["sum"]) == 3.0  # Before the thread.
+  store.preload("greedy").join()
+  assert store.preloaded == 0  # add was loaded by its call, double did not load.
+  np.testing.assert_array_equal(double(jnp.arange(4.0)), [0.0, 2.0, 4.0, 6.0])
+  assert traces == [] and "compiling double again" in caplog.text

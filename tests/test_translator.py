@@ -1,5 +1,6 @@
 """n-best lists, ensembles and log-probabilities of a restored workdir (the trained smoke run)."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,29 @@ def test_n_best_file_format(trained, sources, tmp_path):
   assert refused.returncode == 1
   assert refused.stderr.strip().splitlines()[-1] == (
       "error: --n_best 3 is more than the beam size (2): raise --beam_size")
+
+
+def test_a_later_command_of_the_same_settings_has_the_list_of_programs_to_preload(
+    trained, sources, tmp_path):
+  """translate keeps the decoding slots' programs and the list of those it called (what the
+  next command of the same settings loads while its checkpoint is restored)."""
+  _, workdir = trained
+  (tmp_path / "in.txt").write_text("\n".join(sources) + "\n")
+  programs = tmp_path / "cache" / "programs"
+  outputs = []
+  for n, beam in enumerate(("1", "1", "2")):
+    out = tmp_path / f"out{n}.txt"
+    result = _translate("--workdir", str(workdir), "--input", str(tmp_path / "in.txt"),
+                        "--beam_size", beam, "--compilation_cache_dir",
+                        str(tmp_path / "cache"), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    outputs.append(out.read_text())
+    lists = {path: json.loads(path.read_text()) for path in programs.glob("used-*.json")}
+    assert len(lists) == (1 if beam == "1" else 2)
+  assert outputs[0] == outputs[1]
+  for names in lists.values():
+    assert any(name.startswith("slots_run_") for name in names)
+    assert all((programs / name).is_file() for name in names)
 
 
 def test_an_ensemble_of_a_workdir_with_itself_translates_as_the_workdir(trained, sources,

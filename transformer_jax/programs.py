@@ -11,6 +11,13 @@ nor compiles. A program the store cannot write or read back (a file cut short, a
 compiled again, with a warning. The files are pickles: keep the directory as private as the
 workdir it belongs to.
 
+A command may also name its settings (`preload`): the store then loads, in a thread of its
+own, the programs that the last command of the same settings used (`remember` keeps their
+list), while the command goes on restoring its checkpoint, instead of loading each where it is
+first called. Loading one is C++ work outside Python's lock (on 2 cores, 40-120 ms for one of
+the decoding slots' run programs), so it overlaps the restoring. A listed program the command
+does not call costs only its loading; one it calls that is not listed loads when called.
+
 A store compiles its programs around jax's persistent compilation cache, neither reading nor
 writing it: on a CPU (jax 0.10.2) an executable that the cache gave back serializes without
 some of its kernels, and the copy loaded from that fails to run ("Function ... not found").
@@ -18,9 +25,11 @@ some of its kernels, and the copy loaded from that fails to run ("Function ... n
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import pickle
 import platform
@@ -81,6 +90,62 @@ class ProgramStore:
 
   def __init__(self, directory: str | Path | None):
     self.directory = Path(directory) if directory else None
+    # Programs by file: a Future of the loaded program where `preload`'s thread took it (None
+    # in it where it did not load), None where a call took it first.
+    self._taken: dict[Path, concurrent.futures.Future | None] = {}
+    self._taken_lock = threading.Lock()
+    self._used: dict[str, None] = {}  # The files of the programs called, first called first.
+    self.preloaded = 0  # Programs preload's thread loaded (what a call then found ready).
+
+  def _list_path(self, settings: str) -> Path:
+    """Where `remember` keeps the programs of a command of `settings` (and of this build)."""
+    key = hashlib.sha256("\0".join((_build_key(), settings)).encode()).hexdigest()[:40]
+    return self.directory / f"used-{key}.json"
+
+  def preload(self, settings: str) -> threading.Thread | None:
+    """Starts loading, in a daemon thread (returned), the kept programs the last command of
+    `settings` (a description of whatever decides which programs a command runs) used, in the
+    order it first called them. None where there is no directory or no such list."""
+    if self.directory is None:
+      return None
+    try:
+      names = json.loads(self._list_path(settings).read_text())
+    except (OSError, ValueError):
+      return None
+    paths = [self.directory / name for name in names if isinstance(name, str)]
+    thread = threading.Thread(target=self._load_all, args=(paths,), daemon=True,
+                              name="preload programs")
+    thread.start()
+    return thread
+
+  def _load_all(self, paths: list[Path]) -> None:
+    for path in paths:
+      with self._taken_lock:
+        if path in self._taken:  # A call took it first.
+          continue
+        self._taken[path] = future = concurrent.futures.Future()
+      program = None
+      try:
+        program = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+      except Exception:  # noqa: BLE001 -- the call that needs it loads (or compiles) it again.
+        pass
+      finally:
+        future.set_result(program)
+      if program is not None:
+        self.preloaded += 1
+
+  def remember(self, settings: str) -> None:
+    """Keeps the list of the programs called so far, for the next `preload(settings)`."""
+    if self.directory is None or not self._used:
+      return
+    path = self._list_path(settings)
+    with self._taken_lock:
+      text = json.dumps(list(self._used))
+    try:
+      if not path.exists() or path.read_text() != text:
+        fs.replace_file(path, text.encode())
+    except OSError as e:  # Keeping it is an optimization, never a failure.
+      logging.warning("could not keep the list of programs used in %s (%s)", path, e)
 
   def jit(self, name: str, describe: str, fn: Callable, **jit_args) -> Callable:
     """jax.jit(fn, **jit_args), its programs kept under `name` and `describe`: a description of
@@ -111,6 +176,11 @@ class ProgramStore:
     kept there."""
     key = hashlib.sha256("\0".join((_build_key(), name, describe, repr(signature))).encode())
     path = self.directory / f"{name}-{key.hexdigest()[:40]}.executable"
+    with self._taken_lock:
+      self._used.setdefault(path.name)
+      preloading = self._taken.setdefault(path, None)
+    if preloading is not None and preloading.result() is not None:
+      return preloading.result()
     if path.exists():
       try:
         return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))

@@ -216,8 +216,15 @@ def main(argv):
       FLAGS.long_beam_size = 0  # The workdir's default: n-best decodes every source alike.
     launch.keep_freed_memory()
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
-    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema,
-                            programs=ProgramStore(cache / "programs"))
+    programs = ProgramStore(cache / "programs")
+    # What decides the programs a command runs: those the last such command ran load while
+    # the checkpoint is restored.
+    settings = repr(("translate", FLAGS.workdir, FLAGS.beam_size, FLAGS.max_len,
+                     FLAGS.beam_stop, FLAGS.segment_over, FLAGS.long_over,
+                     FLAGS.long_beam_size, FLAGS.n_best, FLAGS.slots, FLAGS.lanes,
+                     bool(FLAGS.input or FLAGS.split)))
+    programs.preload(settings)
+    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs)
     if FLAGS.lanes != "auto":
       translator.lanes = int(FLAGS.lanes)
     limit = translator.max_output_len
@@ -242,6 +249,7 @@ def main(argv):
                                    segment_over=segment_over, long_beam=long_beam,
                                    batch_tokens=FLAGS.batch_tokens, num_slots=num_slots)
       text = "".join(h + "\n" for h in hypotheses)
+    programs.remember(settings)
     if FLAGS.output:
       fs.replace_file(FLAGS.output, text.encode("utf-8"))
     else:
