@@ -4,6 +4,7 @@ scores for every sentence, with sentences of many lengths entering and leaving f
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -132,12 +133,46 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
   lengths = [3 + i % 5 for i in range(16 + 7)]  # A batch of every slot, then 7 sources.
   sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
   decoder = slots.SlotDecoder(_counting_model(), None, 16, 8, 12, SPECIALS)
-  rows, encode = [], decoder._encode
-  decoder._encode = lambda params, src: (rows.append(src.shape[0]), encode(params, src))[1]
+  shapes, encode = [], decoder._encode
+  decoder._encode = lambda params, src: (shapes.append(src.shape), encode(params, src))[1]
   results = decoder.decode_all(sources, [12] * len(sources))
-  assert rows == [16, 8]
+  # Each batch as wide as its longest source rounded up to 4: the last 7 hold 3 or 4 tokens.
+  assert shapes == [(16, 8), (8, 4)]
   for n, (tokens, _) in zip(lengths, results):
     assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
+
+
+@pytest.mark.quick
+def test_the_servers_warm_up_encodes_every_width_its_pieces_meet():
+  """A piece's width is its length rounded up to 8 and an encoder batch's its longest's
+  rounded up to 4: the slots' warm-up encodes each of those, so no request waits for a
+  program to compile."""
+  from transformer_jax.batcher import Kind, SlotBatcher
+  met, decoders = set(), []
+
+  def stream(beam_size, width):
+    decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 4, width, width + 10,
+                                SPECIALS, beam_size=beam_size)
+    encode = decoder._encode
+    decoder._encode = lambda params, src: (met.add(src.shape), encode(params, src))[1]
+    decoders.append(decoder)
+    return slots.SlotStream(decoder)
+
+  batcher = SlotBatcher(stream, [8, 16], max_queue=64, margin=10)
+  batcher.start([(8, 1), (16, 1)])
+  while not batcher.ready:
+    assert batcher.error is None
+    time.sleep(0.01)
+  warmed = set(met)
+  assert batcher.shapes_done == batcher.shapes_total == 2
+  assert {width for _, width in warmed} == {4, 8, 12, 16}
+  jobs = [batcher.submit([([7] * (n - 1) + [SPECIALS.eos], Kind(-(-n // 8) * 8, 1, 0.6))])
+          for n in range(1, 17)]
+  for n, job in enumerate(jobs, 1):
+    (tokens, _), = job.future.result(timeout=60)
+    assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
+  batcher.stop()
+  assert met == warmed
 
 
 @pytest.mark.quick
