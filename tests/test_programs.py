@@ -127,6 +127,15 @@ def test_a_store_preloads_what_the_last_command_of_the_same_settings_called(tmp_
   assert traces == []
   other = ProgramStore(tmp_path)
   assert other.preload("beam 4") is None and other.preloaded == 0
+  # A list that is not this store's (damaged, or naming files elsewhere) loads nothing.
+  (listed,) = tmp_path.glob("used-*.json")
+  for text in ("5", '{"a": 1}', '["../add.executable", 3]', "[cut"):
+    listed.write_text(text)
+    store = ProgramStore(tmp_path)
+    thread = store.preload("greedy")
+    if thread is not None:
+      thread.join()
+    assert store.preloaded == 0
 
 
 def test_preloading_skips_what_a_call_took_first_and_a_damaged_program(tmp_path, caplog):

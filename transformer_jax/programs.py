@@ -112,7 +112,10 @@ class ProgramStore:
       names = json.loads(self._list_path(settings).read_text())
     except (OSError, ValueError):
       return None
-    paths = [self.directory / name for name in names if isinstance(name, str)]
+    if not isinstance(names, list):  # Not a list this store wrote: nothing to load.
+      return None
+    paths = [self.directory / name for name in names
+             if isinstance(name, str) and Path(name).name == name]  # Files of this directory.
     thread = threading.Thread(target=self._load_all, args=(paths,), daemon=True,
                               name="preload programs")
     thread.start()
