@@ -138,6 +138,11 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
   results = decoder.decode_all(sources, [12] * len(sources))
   # Each batch as wide as its longest source rounded up to 4: the last 7 hold 3 or 4 tokens.
   assert shapes == [(16, 8), (8, 4)]
+  # An accelerator's settings round up to 8 (fewer programs), and none is over the width.
+  wide = lambda fraction: slots.SlotDecoder(_counting_model(), None, 16, 32, 40, SPECIALS,
+                                            min_rows_fraction=fraction)
+  assert [wide(16).encode_width(n) for n in (1, 4, 5, 9, 31)] == [4, 4, 8, 12, 32]
+  assert [wide(1).encode_width(n) for n in (1, 4, 5, 9, 31)] == [8, 8, 8, 16, 32]
   for n, (tokens, _) in zip(lengths, results):
     assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
 

@@ -151,6 +151,9 @@ class SlotDecoder:
     fraction = min_rows_fraction or default_min_rows_fraction(jax.default_backend())
     self.run_sizes = run_sizes(slots, fraction)
     self.encode_sizes = encode_sizes(slots, fraction)
+    # Source widths a batch is encoded in: multiples of 4 where steps cost their rows (a CPU),
+    # of 8 on an accelerator (fewer programs to compile and load; its encoder barely notices).
+    self._encode_step = 4 if fraction > 1 else 8
     self._runs = {rows: jit(f"slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
                             donate_argnums=1) for rows in self.run_sizes}
     self._results = jit("slots_results", fn=self._results_fn)
@@ -161,9 +164,10 @@ class SlotDecoder:
 
   def encode_width(self, longest: int) -> int:
     """The width a batch of sources whose longest has `longest` tokens is encoded in: that,
-    rounded up to a multiple of 4 (a program per width; on the Tatoeba file's sources, 1.15x
-    their tokens, against 1.29x for multiples of 8), at most the decoder's."""
-    return min(self.width, -(-longest // 4) * 4)
+    rounded up to a multiple of 4 on a CPU (a program per width; on the Tatoeba file's
+    sources, 1.15x their tokens, against 1.29x for multiples of 8) or of 8 on an accelerator,
+    at most the decoder's."""
+    return min(self.width, -(-longest // self._encode_step) * self._encode_step)
 
   def compile_runs(self) -> None:
     """Compiles (or loads) the run program of every active size and `compact` now, not when
