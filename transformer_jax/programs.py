@@ -129,7 +129,7 @@ class ProgramStore:
         self._taken[path] = future = concurrent.futures.Future()
       program = None
       try:
-        program = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        program = _load(path)
       except Exception:  # noqa: BLE001 -- the call that needs it loads (or compiles) it again.
         pass
       finally:
@@ -182,11 +182,12 @@ class ProgramStore:
     with self._taken_lock:
       self._used.setdefault(path.name)
       preloading = self._taken.setdefault(path, None)
-    if preloading is not None and preloading.result() is not None:
-      return preloading.result()
+    preloaded = preloading.result() if preloading is not None else None
+    if preloaded is not None:
+      return preloaded
     if path.exists():
       try:
-        return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        return _load(path)
       except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is compiled again.
         logging.warning("compiling %s again: its kept program %s did not load (%s)", name, path,
                         e)
@@ -198,6 +199,11 @@ class ProgramStore:
       # Keeping it is an optimization, never a failure.
       logging.warning("could not keep the compiled %s in %s (%s)", name, self.directory, e)
     return compiled
+
+
+def _load(path: Path):
+  """The compiled program kept in `path` (raises where it does not load)."""
+  return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
 
 
 def _compile_apart(name: str, fn: Callable, jit_args: dict, args):
