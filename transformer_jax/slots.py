@@ -165,7 +165,7 @@ class SlotDecoder:
   def encode_width(self, longest: int) -> int:
     """The width a batch of sources whose longest has `longest` tokens is encoded in: that,
     rounded up to a multiple of 4 on a CPU (a program per width; on the Tatoeba file's
-    sources, 1.15x their tokens, against 1.29x for multiples of 8) or of 8 on an accelerator,
+    sources, 1.16x their tokens, against 1.31x for multiples of 8) or of 8 on an accelerator,
     at most the decoder's."""
     return min(self.width, -(-longest // self._encode_step) * self._encode_step)
 
