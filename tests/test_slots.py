@@ -196,6 +196,30 @@ def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_a_files_sources_take_the_free_slots_between_steps_without_returning(beam_size):
+  """96 sources, 16 slots: each batch of 16 encoded sources is taken in by one call of the
+  feed program (a slot that frees up takes the next source between two steps), not by a run
+  and a refill each time a few slots are free; only the last searches end in a run. Every
+  output is still right."""
+  lengths = [2 + (7 * i) % 20 for i in range(96)]
+  sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
+  decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 16, 24, 24, SPECIALS,
+                              beam_size=beam_size)
+  calls = []
+  feed, refill = decoder._feed, decoder._refill
+  decoder._feed = lambda *args: (calls.append("feed"), feed(*args))[1]
+  decoder._refill = lambda *args: (calls.append("refill"), refill(*args))[1]
+  for size, run in list(decoder._runs.items()):
+    decoder._runs[size] = lambda *args, run=run, size=size: (calls.append(size), run(*args))[1]
+  results = decoder.decode_all(sources, [24] * len(sources))
+  for n, (tokens, _) in zip(lengths, results):
+    assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
+  assert calls[:6] == ["feed"] * 6 and "feed" not in calls[6:] and "refill" not in calls
+  assert 1 <= len(calls[6:]) <= 2  # The last searches: the run sizes that hold them.
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_lanes_decode_every_source_as_one_stream_does(beam_size):
   """Two and three lanes (streams stepping at once in threads of their own) give every
@@ -338,10 +362,11 @@ def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, source
   plain = decoder(ProgramStore(None)).decode_all(rows, limits)
   kept = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
   kept_names = {p.name.split("-")[0] for p in tmp_path.iterdir()}
-  assert {"slots_empty", "slots_encode", "slots_refill", "slots_run_3",
-          "slots_results"} <= kept_names <= {"slots_empty", "slots_encode", "slots_refill",
-                                              "slots_results", "slots_compact", "slots_run_1",
-                                              "slots_run_2", "slots_run_3"}
+  # Batches of 3 sources go through the feed program, the last one by a refill and a run.
+  assert {"slots_empty", "slots_encode", "slots_feed", "slots_refill",
+          "slots_results"} <= kept_names <= {"slots_empty", "slots_encode", "slots_feed",
+                                              "slots_refill", "slots_results", "slots_compact",
+                                              "slots_run_1", "slots_run_2", "slots_run_3"}
   loaded = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
   for a, b, c in zip(plain, kept, loaded):
     np.testing.assert_array_equal(a[0], b[0])
@@ -417,7 +442,8 @@ def test_slot_programs_kept_beside_the_compilation_cache_run_here_and_in_a_later
   assert first.returncode == 0, first.stderr[-3000:]
   assert list(cache.iterdir())  # The cache was on: jax.jit's programs went into it,
   assert not list(cache.glob("*kept_*"))  # and none of the store's.
-  assert {p.name.split("-")[0] for p in store.glob("*.executable")} >= {"slots_run_3"}
+  kept = {p.name.split("-")[0] for p in store.glob("*.executable")}
+  assert "slots_feed" in kept and any(name.startswith("slots_run_") for name in kept)
   later = run("loaded")
   assert later.returncode == 0, later.stderr[-3000:]
   assert later.stdout == first.stdout and first.stdout.startswith("[[")

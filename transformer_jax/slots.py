@@ -156,6 +156,7 @@ class SlotDecoder:
     self._encode_step = 4 if fraction > 1 else 8
     self._runs = {rows: jit(f"slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
                             donate_argnums=1) for rows in self.run_sizes}
+    self._feed = jit("slots_feed", fn=self._feed_fn, donate_argnums=1)
     self._results = jit("slots_results", fn=self._results_fn)
     self.steps_run = 0  # Decoder steps its streams ran so far,
     self.rows_stepped = 0  # and the decoder rows those steps computed (run size x beam size).
@@ -175,6 +176,11 @@ class SlotDecoder:
     state = self._empty(self.params)
     for run in self._runs.values():
       state, _, _ = run(self.params, state, np.int32(0), np.int32(0))
+    encoded = self._encode(self.params, np.zeros((self.slots, self.width), np.int32))
+    queue = (np.zeros(self.slots, np.int32), np.ones(self.slots, np.int32),
+             np.zeros(self.slots, np.float32))
+    state, *_ = self._feed(self.params, state, encoded, queue, np.int32(0), np.int32(0),
+                           np.int32(0), np.int32(0))
     jax.block_until_ready(self._compact(state, np.arange(self.slots, dtype=np.int32)))
 
   # --- the compiled programs ---------------------------------------------------------------
@@ -266,8 +272,6 @@ class SlotDecoder:
 
   def _loop(self, params, state, min_free, max_steps):
     """`_run_fn` over every slot of `state` (all of the decoder's, or its first ones)."""
-    model, k = self.model, self.k
-
     def cond(carry):
       steps, state, finished = carry
       running = state["active"] & ~finished
@@ -276,39 +280,92 @@ class SlotDecoder:
 
     def body(carry):
       steps, state, finished = carry
-      state = step_all(state, state["active"] & ~finished)
+      state = self._step_all(params, state, state["active"] & ~finished)
       return steps + 1, state, self._finished(state)
-
-    def step_all(state, running):
-      t = state["t"]
-      index = jnp.repeat(t, k)  # Each row's position: its search's step.
-      step = lambda tokens, cache: model.step(params, tokens, cache, state["sources"], index)
-      state = dict(state)
-      if k == 1:
-        keys = decode.row_keys(self.rng, state["items"], t)
-        cache, token, done, logprob = decode.sample_step(
-            step, state["cache"], state["last"], ~running, state["logprob"], self.specials,
-            self.sampler, keys)
-        at = (jnp.arange(self.max_len)[None, :] == t[:, None]) & running[:, None]
-        state.update(cache=cache, out=jnp.where(at, token[:, None], state["out"]),
-                     last=jnp.where(running, token, state["last"]),
-                     done=jnp.where(running, done, state["done"]),
-                     logprob=jnp.where(running, logprob, state["logprob"]))
-      else:
-        old = (t, *state["beams"], state["cache"])
-        # Only the running searches' rows are read again: what they wrote is what a moved
-        # beam copies.
-        new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop,
-                               positions_axis=self.model.cache_positions,
-                               written=jnp.max(jnp.where(running, t, 0)) + 1)
-        new = decode.keep_beams(~running, old, new)
-        state.update(beams=new[1:6], cache=new[6])
-      state["t"] = t + running
-      return state
 
     steps, state, finished = jax.lax.while_loop(cond, body, (jnp.int32(0), state,
                                                              self._finished(state)))
     return state, finished, steps
+
+  def _step_all(self, params, state, running):
+    """One decoder step of the searches `running` [U] (the others keep their state)."""
+    model, k = self.model, self.k
+    t = state["t"]
+    index = jnp.repeat(t, k)  # Each row's position: its search's step.
+    step = lambda tokens, cache: model.step(params, tokens, cache, state["sources"], index)
+    state = dict(state)
+    if k == 1:
+      keys = decode.row_keys(self.rng, state["items"], t)
+      cache, token, done, logprob = decode.sample_step(
+          step, state["cache"], state["last"], ~running, state["logprob"], self.specials,
+          self.sampler, keys)
+      at = (jnp.arange(self.max_len)[None, :] == t[:, None]) & running[:, None]
+      state.update(cache=cache, out=jnp.where(at, token[:, None], state["out"]),
+                   last=jnp.where(running, token, state["last"]),
+                   done=jnp.where(running, done, state["done"]),
+                   logprob=jnp.where(running, logprob, state["logprob"]))
+    else:
+      old = (t, *state["beams"], state["cache"])
+      # Only the running searches' rows are read again: what they wrote is what a moved
+      # beam copies.
+      new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop,
+                             positions_axis=self.model.cache_positions,
+                             written=jnp.max(jnp.where(running, t, 0)) + 1)
+      new = decode.keep_beams(~running, old, new)
+      state.update(beams=new[1:6], cache=new[6])
+    state["t"] = t + running
+    return state
+
+  def _feed_fn(self, params, state, encoded, queue, first, count, min_free, max_steps):
+    """A run of every slot that takes its new searches itself (a file's sources, a batch of
+    `slots` encoded at a time): before each step the free slots take the next rows of
+    `encoded` (rows first .. count - 1; `queue`: their items, limits and alpha [P]), and a
+    search that ends leaves its slot at once, its result put aside. No slot waits for the host
+    to refill it, and the host sees one call per batch of sources, not one per few that end.
+    Steps until `max_steps` steps are done, no search runs, or every row is taken and
+    `min_free` slots are free. Returns (state, (items [N], tokens [N, K, L], scores [N, K]) of
+    the searches that ended (the first `ended` of N = slots + P), ended, the next row, the
+    slots' active [U] and items [U], the steps run)."""
+    items_q, limits_q, alpha_q = queue
+    n = self.slots + items_q.shape[0]
+    tokens, scores = jax.eval_shape(self._results_fn, state)
+    box = (jnp.full((n,), -1, jnp.int32), jnp.zeros((n, *tokens.shape[1:]), tokens.dtype),
+           jnp.zeros((n, *scores.shape[1:]), scores.dtype))
+
+    def fill(state, next_row):
+      free = ~state["active"]
+      row = next_row + jnp.cumsum(free) - 1  # The r-th free slot takes the r-th next row.
+      take = jnp.where(free & (row < count), row, -1)
+      at = lambda x: x[jnp.clip(take, 0)]
+      state = self._refill_fn(state, encoded, take, at(limits_q), at(items_q), at(alpha_q))
+      return state, next_row + jnp.sum(take >= 0)
+
+    def retire(state, box, ended):
+      finished = self._finished(state)
+      tokens, scores = self._results_fn(state)
+      where = jnp.where(finished, ended + jnp.cumsum(finished) - 1, n)  # n: dropped.
+      put = lambda x, new: x.at[where].set(new, mode="drop")
+      box = tuple(map(put, box, (state["items"], tokens, scores)))
+      return dict(state, active=state["active"] & ~finished), box, ended + jnp.sum(finished)
+
+    def cond(carry):
+      steps, state, next_row, _, _ = carry
+      idle = (next_row >= count) & (jnp.sum(~state["active"]) >= min_free)
+      return jnp.any(state["active"]) & ~idle & (steps < max_steps)
+
+    def body(carry):
+      steps, state, next_row, box, ended = carry
+      state = self._step_all(params, state, state["active"])
+      state, box, ended = retire(state, box, ended)
+      state, next_row = fill(state, next_row)
+      return steps + 1, state, next_row, box, ended
+
+    # Searches that ended before this call were handed back then: their slots are free.
+    state = dict(state, active=state["active"] & ~self._finished(state))
+    state, next_row = fill(state, first)
+    steps, state, next_row, box, ended = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), state, next_row, box, jnp.int32(0)))
+    return state, box, ended, next_row, state["active"], state["items"], steps
 
   def _results_fn(self, state):
     """(tokens [U, K, L], scores [U, K]) of every slot, as decode.py's batch decoders give them
@@ -386,8 +443,11 @@ def decode_jobs(jobs: list[Job], refill_at: int | None = None,
             stream.put(i, job.sources[i], job.limits[i], job.alpha)
         if not stream.busy:
           break
-        finished = stream.advance((refill_at or max(1, d.slots // 8)) if stream.waiting
-                                  else d.slots + 1)
+        # While the job has sources to take, a run ends as soon as a slot is free and the
+        # stream has none left to give it (the feed program's runs); at the job's end, once
+        # `refill_at` are free (fewer host round trips), or when every search has ended.
+        finished = stream.advance(1 if pending[j] else (refill_at or max(1, d.slots // 8))
+                                  if stream.waiting else d.slots + 1)
         for item, tokens, scores in finished:
           results[j][item] = (tokens, scores)
         if progress and finished:
@@ -443,6 +503,7 @@ class SlotStream:
     self._item = np.zeros(decoder.slots, np.int64)
     self._queue: collections.deque = collections.deque()  # (item, ids, limit, alpha)
     self._encoded = None
+    self._whole = False
     self._chunk: collections.deque = collections.deque()  # (row of _encoded, item, limit, alpha)
 
   def put(self, item: int, ids: np.ndarray, limit: int, alpha: float) -> None:
@@ -466,8 +527,18 @@ class SlotStream:
   def advance(self, min_free: int, max_steps: int | None = None) -> list[tuple[int, Any, Any]]:
     """Fills the free slots, then steps until `min_free` slots are free (finished or empty),
     no search runs, or `max_steps` steps (default: the decoder's max_len) are done. Returns
-    (item, tokens [K, L], scores [K]) of the searches that finished."""
+    (item, tokens [K, L], scores [K]) of the searches that finished.
+
+    A batch of `slots` sources encoded at once (a file's) goes to the feed program instead:
+    its sources take the slots that free up between two steps, within one call, which ends
+    once none is left to take and `min_free` slots are free (or after `max_steps`, default
+    none)."""
     d = self.decoder
+    if self.waiting:
+      if not self._chunk:
+        self._encode_next()
+      if self._whole:
+        return self._feed(min_free, max_steps)
     free = list(np.flatnonzero(~self._active))
     while free and self.waiting:
       if not self._chunk:
@@ -497,6 +568,30 @@ class SlotStream:
     self._active &= ~finished
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
 
+  def _feed(self, min_free: int, max_steps: int | None) -> list[tuple[int, Any, Any]]:
+    """advance() by the decoder's feed program: the searches take the encoded batch's waiting
+    rows into their slots as these free up."""
+    d = self.decoder
+    first = self._chunk[0][0]
+    queue = np.zeros(d.slots, np.int32), np.ones(d.slots, np.int32), np.zeros(d.slots, np.float32)
+    for row, item, limit, alpha in self._chunk:
+      queue[0][row], queue[1][row], queue[2][row] = item, limit, alpha
+    self._state, box, ended, next_row, active, items, steps = d._feed(
+        d.params, self._state, self._encoded, queue, np.int32(first),
+        np.int32(first + len(self._chunk)), np.int32(min_free),
+        np.int32(max_steps or np.iinfo(np.int32).max))
+    with d._count_lock:
+      d.steps_run += int(steps)
+      d.rows_stepped += int(steps) * d.slots * d.k
+    for _ in range(int(next_row) - first):
+      self._chunk.popleft()
+    self._active, self._item = np.array(active), np.array(items, np.int64)
+    ended = int(ended)
+    if not ended:
+      return []
+    box_items, tokens, scores = (np.asarray(x)[:ended] for x in box)
+    return [(int(box_items[i]), tokens[i], scores[i]) for i in range(ended)]
+
   def _compacted(self) -> int:
     """The smallest run size that holds the active searches, after moving them to the first
     slots if one lies beyond it."""
@@ -522,5 +617,6 @@ class SlotStream:
       ids = batch[row % len(batch)][1]
       src[row, :len(ids)] = ids
     self._encoded = d._encode(d.params, src)
+    self._whole = rows == d.slots  # A batch of every slot: the feed program takes it in.
     self._chunk = collections.deque((row, item, limit, alpha)
                                     for row, (item, _, limit, alpha) in enumerate(batch))

@@ -63,4 +63,5 @@ programs.ProgramStore.jit = _timed_jit
 import transformer_jax.__main__ as front  # noqa: E402
 
 atexit.register(_report)
+front.END_AT_ONCE = ()  # translate's immediate exit would skip the report.
 front.main()
