@@ -4,13 +4,16 @@ which sentences enter as others end, so that every decoder step computes rows st
 A batch decoder (decode.py) runs a batch until its longest output ends: the rows that ended
 earlier go on computing padding, and a beam search waits for its slowest sentence. Here a
 `SlotDecoder` keeps `slots` searches (one row each greedy or sampled, K rows for a beam of K),
-each with its own step, output limit and source, and four compiled programs that a host loop
+each with its own step, output limit and source, and compiled programs that a host loop
 drives (`decode_all`):
 
   encode(params, src [P, w])   the next P sources' encodings, padded to the slots' width
   refill(state, ...)           free slots (empty, or their search ended) take new sources
   run(state, min_free, steps)  steps every search until `min_free` slots are free, none runs,
                                or `steps` steps are done
+  feed(state, encoded, ...)    a run of every slot in which the slots that free up take the
+                               next of `encoded`'s sources before the next step (a batch of
+                               `slots` sources a call: no slot waits for the host)
   compact(state, order)        the slots reordered (the active ones first)
 
 Each program is compiled once for the decoder's shape (slots, source width, output length,
