@@ -534,8 +534,8 @@ class SlotStream:
 
     A batch of `slots` sources encoded at once (a file's) goes to the feed program instead:
     its sources take the slots that free up between two steps, within one call, which ends
-    once none is left to take and `min_free` slots are free (or after `max_steps`, default
-    none)."""
+    once none is left to take and `min_free` slots are free (one, while more sources are
+    queued), or after `max_steps` (default: no limit)."""
     d = self.decoder
     if self.waiting:
       if not self._chunk:
@@ -581,7 +581,9 @@ class SlotStream:
       queue[0][row], queue[1][row], queue[2][row] = item, limit, alpha
     self._state, box, ended, next_row, active, items, steps = d._feed(
         d.params, self._state, self._encoded, queue, np.int32(first),
-        np.int32(first + len(self._chunk)), np.int32(min_free),
+        # Sources queued beyond the batch: once it is taken, the first free slot ends the call,
+        # so that they are encoded then.
+        np.int32(first + len(self._chunk)), np.int32(1 if self._queue else min_free),
         np.int32(max_steps or np.iinfo(np.int32).max))
     with d._count_lock:
       d.steps_run += int(steps)
