@@ -173,13 +173,19 @@ class SlotDecoder:
     at most the decoder's."""
     return min(self.width, -(-longest // self._encode_step) * self._encode_step)
 
+  def _count(self, steps, rows: int) -> None:
+    """Adds a run's `steps` of its first `rows` slots to steps_run and rows_stepped."""
+    with self._count_lock:
+      self.steps_run += int(steps)
+      self.rows_stepped += int(steps) * rows * self.k
+
   def compile_runs(self) -> None:
     """Compiles (or loads) the run program of every active size and `compact` now, not when
     traffic first needs them (a server's warm-up)."""
     state = self._empty(self.params)
     for run in self._runs.values():
       state, _, _ = run(self.params, state, np.int32(0), np.int32(0))
-    encoded = self._encode(self.params, np.zeros((self.slots, self.width), np.int32))
+    encoded = self._empty(self.params)["sources"]  # Shaped as a batch of every slot's encoding.
     queue = (np.zeros(self.slots, np.int32), np.ones(self.slots, np.int32),
              np.zeros(self.slots, np.float32))
     state, *_ = self._feed(self.params, state, encoded, queue, np.int32(0), np.int32(0),
@@ -561,9 +567,7 @@ class SlotStream:
       min_free = min(min_free, d.slots - smaller[-1])
     self._state, finished, steps = d._runs[rows](d.params, self._state, np.int32(min_free),
                                                  np.int32(max_steps or d.max_len))
-    with d._count_lock:
-      d.steps_run += int(steps)
-      d.rows_stepped += int(steps) * rows * d.k
+    d._count(steps, rows)
     finished = np.asarray(finished) & self._active
     if not finished.any():
       return []
@@ -585,9 +589,7 @@ class SlotStream:
         # so that they are encoded then.
         np.int32(first + len(self._chunk)), np.int32(1 if self._queue else min_free),
         np.int32(max_steps or np.iinfo(np.int32).max))
-    with d._count_lock:
-      d.steps_run += int(steps)
-      d.rows_stepped += int(steps) * d.slots * d.k
+    d._count(steps, d.slots)
     for _ in range(int(next_row) - first):
       self._chunk.popleft()
     self._active, self._item = np.array(active), np.array(items, np.int64)
