@@ -22,7 +22,9 @@
 #         Tatoeba sources with decoding slots, beam 4 and greedy, each twice (an empty, then a
 #         filled compilation cache), timed whole; DECODE_RUNS="4:auto 4:1024 1:auto" picks the
 #         beam sizes and slot counts (default "4:auto 1:auto"); then start_costs.py on a later
-#         beam-4 command and slot_steps.py (a step's cost by its rows). Reads $DATA (default data/: made by
+#         beam-4 command, slot_rows.py (a warm pass in one process) for beam 4 and greedy,
+#         program_calls.py (a beam-4 command by program) and slot_steps.py (a step's cost by
+#         its rows). Reads $DATA (default data/: made by
 #         `python -m transformer_jax download --out data`, git-ignored; carry it along).
 # PART lm: the language-model tests on the GPU, then configs/lm_gpt2_small.py (12 layers,
 #         d_model 768, 64 x 1024 tokens, bf16) trained by train.py for 300 steps on the
@@ -107,6 +109,17 @@ elif [ "$part" = decode ]; then
   # or not): the leads for the GPU's translating speed.
   step start_costs_beam4 120 $py benchmarks/analysis/start_costs.py translate \
       --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/start_costs.hyp" \
+      --beam_size 4 --compilation_cache_dir "$out/translate_cache"
+  # The warm pass of the file in one process (sources a second; the pass's seconds a decoder
+  # step), and a beam-4 command's time by program.
+  for pair in 4:auto 4:1024 1:auto; do
+    beam=${pair%%:*} slots=${pair#*:}
+    step "slot_rows_beam${beam}_slots$slots" 200 $py benchmarks/analysis/slot_rows.py \
+        "$out/fra_eng" "$tatoeba.eng" --beam_size "$beam" --slots "${slots/auto/0}" \
+        --programs "$out/translate_cache/programs" --json "$out/slot_rows_beam${beam}_slots$slots.json"
+  done
+  step program_calls_beam4 120 $py benchmarks/analysis/program_calls.py translate \
+      --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/program_calls.hyp" \
       --beam_size 4 --compilation_cache_dir "$out/translate_cache"
   step slot_steps_beam4 200 $py benchmarks/analysis/slot_steps.py "$out/fra_eng" --beam_size 4 \
       --slots 16,64,256,1024 --lanes 1 --width 64 --json "$out/slot_steps_beam4.json"
