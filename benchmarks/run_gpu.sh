@@ -95,6 +95,9 @@ elif [ "$part" = decode ]; then
   tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
   step train_fra_eng 900 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
       --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
+  # What a step costs by its rows (launch-bound or not), first: it needs no compiled cache.
+  step slot_steps_beam4 200 $py benchmarks/analysis/slot_steps.py "$out/fra_eng" --beam_size 4 \
+      --slots 16,64,256,1024 --lanes 1 --width 64 --json "$out/slot_steps_beam4.json"
   # BEAM:SLOTS pairs, in order; each translates the file twice (the second with a filled cache).
   for pair in ${DECODE_RUNS:-4:auto 1:auto}; do
     beam=${pair%%:*} slots=${pair#*:}
@@ -105,8 +108,7 @@ elif [ "$part" = decode ]; then
           --compilation_cache_dir $out/translate_cache"
     done
   done
-  # Where a later beam-4 command's time goes, and what a step costs by its rows (launch-bound
-  # or not): the leads for the GPU's translating speed.
+  # Where a later beam-4 command's time goes.
   step start_costs_beam4 120 $py benchmarks/analysis/start_costs.py translate \
       --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/start_costs.hyp" \
       --beam_size 4 --compilation_cache_dir "$out/translate_cache"
@@ -121,8 +123,6 @@ elif [ "$part" = decode ]; then
   step program_calls_beam4 120 $py benchmarks/analysis/program_calls.py translate \
       --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/program_calls.hyp" \
       --beam_size 4 --compilation_cache_dir "$out/translate_cache"
-  step slot_steps_beam4 200 $py benchmarks/analysis/slot_steps.py "$out/fra_eng" --beam_size 4 \
-      --slots 16,64,256,1024 --lanes 1 --width 64 --json "$out/slot_steps_beam4.json"
 elif [ "$part" = lm ]; then
   data=${DATA:-data}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv

@@ -62,9 +62,11 @@ def test_slots_give_each_sentence_what_a_batch_of_its_width_gives(translator, so
 def test_an_accelerators_slot_settings_give_what_the_batch_decoder_gives(trained, sources,
                                                                          beam_size):
   """A GPU's settings, run here on the CPU: one width class (the model's max_len) and one run
-  size, so short and long sources share the slots and every step steps all of them."""
+  size, so short and long sources share the slots and every step steps all of them; beams'
+  cache rows and new sources copied by gathers."""
   gpu = Translator(trained[1], platform="gpu")
   assert gpu.slot_widths == [gpu.slot_widths[-1]] and gpu.lanes == 1
+  assert gpu.row_copy == "gather"  # Beams' cache rows and new sources: one gather each.
   options = DecodeOptions(beam_size=beam_size, alpha=0.6)
   src, rows = _rows(gpu, sources)
   widths = np.array([-(-len(r) // 8) * 8 for r in rows])
@@ -72,6 +74,7 @@ def test_an_accelerators_slot_settings_give_what_the_batch_decoder_gives(trained
   got = gpu.decode_slots(rows, options, num_slots=5)
   (decoder,) = gpu._slot_decoders.values()
   assert decoder.run_sizes == [5] and decoder.width == gpu.slot_widths[-1]
+  assert decoder.row_copy == "gather"
   for i, (slot_tokens, slot_scores) in enumerate(got):
     n = min(slot_tokens.shape[1], tokens.shape[2])
     np.testing.assert_array_equal(slot_tokens[:, :n], tokens[i, :, :n], err_msg=str(i))

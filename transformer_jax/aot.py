@@ -375,7 +375,8 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       if name == "eval":
         return p_eval.lower(state, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh,
                                                    documents))
-      return _decoder(model, state_shardings.params, mesh, data.max_len, beam_size).lower(
+      return _decoder(model, state_shardings.params, mesh, data.max_len, beam_size,
+                      target.platform).lower(
           state.params, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh)["inputs"])
 
   analytic = {"train": flops_lib.model_flops(model_cfg, full(data.batch_size),
@@ -478,13 +479,15 @@ def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max
                                                    lowered.out_tree)
 
 
-def _decoder(model, param_shardings, mesh, max_len: int, beam_size: int):
+def _decoder(model, param_shardings, mesh, max_len: int, beam_size: int, platform: str):
   """translate's decoder (generation.generate) jitted over `mesh`: source rows split over the
-  data-parallel devices, parameters placed as in training."""
+  data-parallel devices, parameters placed as in training, beams' rows copied as on
+  `platform` (decode.ROW_COPIES)."""
   import jax
-  from transformer_jax import sharding
+  from transformer_jax import decode, sharding
   from transformer_jax.generation import generate
-  return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size),
+  return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size,
+                                   row_copy=decode.row_copy(platform)),
                  in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.batch_sharding(mesh))
 

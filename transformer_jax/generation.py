@@ -123,24 +123,26 @@ def slot_model(model, vocab: int | None = None) -> slots.SlotModel:
 
 
 def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,
-             sampler=decode.Greedy(), rng=None):
+             sampler=decode.Greedy(), rng=None, row_copy: str | None = None):
   """src [B, S] -> tokens [B, max_len] (best beam), jit-able with static max_len/beam_size.
-  `model`/`params`: one model or an ensemble (see `decoder`)."""
+  `model`/`params`: one model or an ensemble (see `decoder`). `row_copy`: as `beams`'."""
   if beam_size > 1:
-    return beams(model, params, src, max_len, beam_size, alpha)[0][:, 0]
+    return beams(model, params, src, max_len, beam_size, alpha, row_copy=row_copy)[0][:, 0]
   step, cache = decoder(model, params, src, max_len)
   return decode.sample(step, cache, src.shape[0], max_len, SPECIALS, sampler, rng)
 
 
 def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits=None,
-          beam_stop: str = "exact", vocab: int | None = None):
+          beam_stop: str = "exact", vocab: int | None = None, row_copy: str | None = None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam, best first, scored by
   log-probability / GNMT length penalty (decode.beam_search; `limits` [B]: each sentence's
   own length limit, at most max_len; `beam_stop`: when a search ends; `vocab`: the ids it may
-  emit, as `decoder`'s)."""
+  emit, as `decoder`'s; `row_copy`: how moved beams' cache rows are copied, default the
+  platform's, decode.ROW_COPIES)."""
   step, cache = decoder(model, params, src, max_len, vocab)
   return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
-                            limits, beam_stop, positions_axis=CACHE_POSITIONS)
+                            limits, beam_stop, positions_axis=CACHE_POSITIONS,
+                            copy=row_copy or decode.row_copy(jax.default_backend()))
 
 
 def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,

@@ -137,16 +137,20 @@ class SlotDecoder:
   def __init__(self, model: SlotModel, params, slots: int, width: int, max_len: int,
                specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
                sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
-               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None):
+               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
+               row_copy: str | None = None):
     """`programs`: where the compiled programs are kept for a later process (default: not).
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
-    the platform's, MIN_ROWS_FRACTION)."""
+    the platform's, MIN_ROWS_FRACTION). `row_copy`: how moved beams' cache rows and new
+    sources are copied into place (default: the platform's, decode.ROW_COPIES)."""
     self.model, self.params, self.specials = model, params, specials
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng
+    self.row_copy = row_copy or decode.row_copy(jax.default_backend())
     describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
-                     np.asarray(jax.random.key_data(self.rng)).tolist(), specials))
+                     np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
+                     self.row_copy))
     jit = functools.partial(programs.jit, describe=describe)
     self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
@@ -223,17 +227,21 @@ class SlotDecoder:
     is dropped)."""
     fill = take >= 0
     state = dict(state)
-    # Only the slots filled are written (a refill of a few slots must not rewrite every
-    # slot's source keys and values): one row at a time, in place.
-    order = jnp.argsort(~fill, stable=True)  # The slots to fill first.
+    if self.row_copy == "gather":  # Every slot's row at once (decode.ROW_COPIES).
+      rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(take, 0), axis=0), sources)
+      state["sources"] = _where(fill, rows, state["sources"])
+    else:
+      # Only the slots filled are written (a refill of a few slots must not rewrite every
+      # slot's source keys and values): one row at a time, in place.
+      order = jnp.argsort(~fill, stable=True)  # The slots to fill first.
 
-    def copy(j, held):
-      slot = order[j]
-      row = lambda x: jax.lax.dynamic_index_in_dim(x, take[slot], keepdims=False)
-      return jax.tree.map(lambda dst, new: jax.lax.dynamic_update_index_in_dim(
-          dst, row(new), slot, 0), held, sources)
+      def copy(j, held):
+        slot = order[j]
+        row = lambda x: jax.lax.dynamic_index_in_dim(x, take[slot], keepdims=False)
+        return jax.tree.map(lambda dst, new: jax.lax.dynamic_update_index_in_dim(
+            dst, row(new), slot, 0), held, sources)
 
-    state["sources"] = jax.lax.fori_loop(0, jnp.sum(fill), copy, state["sources"])
+      state["sources"] = jax.lax.fori_loop(0, jnp.sum(fill), copy, state["sources"])
     state["active"] = state["active"] | fill
     state["items"] = jnp.where(fill, items, state["items"])
     state["limits"] = jnp.where(fill, limits, state["limits"])
@@ -319,7 +327,8 @@ class SlotDecoder:
       # beam copies.
       new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop,
                              positions_axis=self.model.cache_positions,
-                             written=jnp.max(jnp.where(running, t, 0)) + 1)
+                             written=jnp.max(jnp.where(running, t, 0)) + 1,
+                             copy=self.row_copy)
       new = decode.keep_beams(~running, old, new)
       state.update(beams=new[1:6], cache=new[6])
     state["t"] = t + running

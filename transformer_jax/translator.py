@@ -19,7 +19,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from transformer_jax import errors, sentences, sharding, slots
+from transformer_jax import decode, errors, sentences, sharding, slots
 from transformer_jax.generation import (SPECIALS, DecodeOptions, InferenceError, encode_sources,
                                         scored, slot_model, strip)
 from transformer_jax.programs import ProgramStore
@@ -76,6 +76,7 @@ class Translator:
     self.lanes = slots.default_lanes(platform)
     self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])
     self.min_rows_fraction = slots.default_min_rows_fraction(platform)
+    self.row_copy = decode.row_copy(platform)
 
   @property
   def model(self):
@@ -133,14 +134,15 @@ class Translator:
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
     key = (num_slots, width, max_len, options.beam_size, options.beam_stop,
-           self.min_rows_fraction)
+           self.min_rows_fraction, self.row_copy)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
       self._slot_decoders[key] = slots.SlotDecoder(
           slot_model(models, self.tokenizers.tgt.vocab_size), params, num_slots, width,
           max_len, SPECIALS, options.beam_size, beam_stop=options.beam_stop,
-          programs=self.programs, min_rows_fraction=self.min_rows_fraction)
+          programs=self.programs, min_rows_fraction=self.min_rows_fraction,
+          row_copy=self.row_copy)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
