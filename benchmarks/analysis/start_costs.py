@@ -38,4 +38,5 @@ from transformer_jax import translator  # noqa: E402, F401 -- the package's heav
 
 IMPORTED = time.perf_counter()
 atexit.register(_report)
+front.END_AT_ONCE = ()  # translate's immediate exit would skip the report.
 front.main()
