@@ -79,6 +79,9 @@ def test_the_smoke_config_compiles_for_h100(plugins, tmp_path):
   assert report["hbm_bytes_per_device"] == 84942979072  # From the H100 target spec.
   assert report["programs"]["train"]["temp_size_in_bytes"] > 0
   assert report["programs"]["train"]["collectives"]["all-reduce"]["count"] >= 1
+  # The beam search is the decoder's one loop: moved beams' cache rows are gathered, not
+  # copied in a loop of their own inside each step (a CPU's way, decode.ROW_COPIES).
+  assert report["programs"]["decode"]["while_loops"] == 1
 
 
 @pytest.mark.parametrize("topology,embed_grad,attention,kernels", [

@@ -269,6 +269,16 @@ def custom_calls(hlo_text: str) -> dict[str, int]:
   return out
 
 
+_WHILE = re.compile(r"\swhile\(")
+
+
+def while_loops(hlo_text: str) -> int:
+  """The while loops of an optimized HLO module (nested ones included). On a GPU each pass of
+  a loop is its own launches: the decoder's search is one loop; a loop per beam step over the
+  cache rows that moved (a CPU's copy, decode.ROW_COPIES) would be more."""
+  return len(_WHILE.findall(hlo_text))
+
+
 def embedding_scatters(scatter_counts: dict[str, int], table_shapes) -> int:
   """Of `scatters`' counts, those whose result has the shape of an embedding table as one
   device holds it (`table_shapes`: (rows, columns) pairs): the gradient of a lookup formed by
@@ -409,6 +419,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       entry["collectives"] = collectives(hlo)
       entry["scatters"] = scatters(hlo)
       entry["custom_calls"] = custom_calls(hlo)
+      entry["while_loops"] = while_loops(hlo)
       entry["embedding_scatters"] = embedding_scatters(entry["scatters"],
                                                        _table_shapes(state.params))
       if hlo_dir:
