@@ -118,6 +118,34 @@ def test_translate_leaves_at_once_with_every_line_written(trained, tmp_path):
   assert len(result.stdout.splitlines()) == 40
 
 
+def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing(trained,
+                                                                                  tmp_path):
+  """The first command with an empty cache also compiles the run sizes its traffic did not
+  meet (a later command's lanes, timed differently, may shrink to one), after its output is
+  written; the next command then finds every program it calls kept."""
+  from transformer_jax import slots
+  _, workdir = trained
+  source = tmp_path / "in.txt"
+  source.write_text("".join(f"Go {i}.\n" for i in range(40)))
+  cache = tmp_path / "cache"
+  translate = ["-m", "transformer_jax", "translate", "--workdir", str(workdir), "--input",
+               str(source), "--compilation_cache_dir", str(cache), "--lanes", "1"]
+  first = _run(*translate, "--output", str(tmp_path / "first.txt"))
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert "other run sizes for later commands" in first.stderr
+  kept = {path.name for path in (cache / "programs").glob("*.executable")}
+  runs = {int(name.split("-")[0].rpartition("_")[2]) for name in kept
+          if name.startswith("slots_run_")}
+  # The slots (as many as the sources ask for, at most the default), then every size below.
+  assert set(slots.run_sizes(max(runs), slots.default_min_rows_fraction("cpu"))) == runs
+  assert len(runs) >= 3, runs
+  later = _run(*translate, "--output", str(tmp_path / "later.txt"))
+  assert later.returncode == 0, later.stderr[-2000:]
+  assert "other run sizes" not in later.stderr  # It compiled nothing,
+  assert {path.name for path in (cache / "programs").glob("*.executable")} == kept  # nor kept.
+  assert (tmp_path / "later.txt").read_text() == (tmp_path / "first.txt").read_text()
+
+
 def test_a_field_of_the_wrong_type_in_config_json_is_one_line(trained, tmp_path):
   import json
   import shutil

@@ -96,6 +96,7 @@ class ProgramStore:
     self._taken_lock = threading.Lock()
     self._used: dict[str, None] = {}  # The files of the programs called, first called first.
     self.preloaded = 0  # Programs preload's thread loaded (what a call then found ready).
+    self.compiled = 0  # Programs compiled (found neither kept nor loadable) and kept.
 
   def _list_path(self, settings: str) -> Path:
     """Where `remember` keeps the programs of a command of `settings` (and of this build)."""
@@ -192,6 +193,8 @@ class ProgramStore:
         logging.warning("compiling %s again: its kept program %s did not load (%s)", name, path,
                         e)
     compiled = _compile_apart(name, fn, jit_args, args)
+    with self._taken_lock:
+      self.compiled += 1
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
       fs.replace_file(path, pickle.dumps(serialize_executable.serialize(compiled)))

@@ -126,6 +126,12 @@ class Translator:
     full = -(-self.max_src_len // 8) * 8
     return [w for w in self.width_classes if w < full] + [full]
 
+  def compile_slot_programs(self) -> None:
+    """Compiles (or loads) every run size and the other programs of each slot decoder made so
+    far (SlotDecoder.compile_runs), not only those its traffic met."""
+    for decoder in self._slot_decoders.values():
+      decoder.compile_runs()
+
   def slot_decoder(self, options: DecodeOptions, num_slots: int,
                    width: int | None = None) -> slots.SlotDecoder:
     """The slot decoder of `num_slots` searches with `options`, for sources of up to `width`

@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from pathlib import Path  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -257,6 +257,12 @@ def main(argv):
     if references is not None:
       score, signature = corpus_bleu(hypotheses, references)
       print(f"BLEU = {score:.2f}  {signature}")
+    if programs.compiled and programs.directory is not None:
+      # A first command: its output is written; a later one, its lanes timed differently, may
+      # shrink its runs to sizes this one never ran, each a compilation of seconds then.
+      logging.info("compiling the slots' other run sizes for later commands (%d programs "
+                   "compiled so far)", programs.compiled)
+      translator.compile_slot_programs()
 
 
 def run() -> None:
