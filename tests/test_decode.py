@@ -166,6 +166,8 @@ def test_beams_stay_in_place_and_copies_never_read_an_overwritten_row(seed):
   np.testing.assert_array_equal(np.asarray(got["k"]), np.asarray(cache["k"])[rows])
   gathered = decode._copy_parents(cache, jnp.asarray(placed), copy="gather")  # An accelerator's.
   np.testing.assert_array_equal(np.asarray(gathered["k"]), np.asarray(cache["k"])[rows])
+  with pytest.raises(ValueError, match="row copy 'scatter'"):
+    decode._copy_parents(cache, jnp.asarray(placed), copy="scatter")
 
   # Copying only the positions written (axis -2 of [rows, N, 13, H]): those equal the gather's,
   # the rest of a moved row is left as it was, and no more than the smallest fraction is copied.
