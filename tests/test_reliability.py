@@ -262,6 +262,37 @@ def test_training_resumes_from_the_last_good_checkpoint(tmp_path, trained, caplo
   _assert_bitwise_equal(_final_state(workdir, 20), _final_state(source, 20))
 
 
+_NEVER_RETRIEVED = """
+import asyncio, gc
+from transformer_jax import checkpoint
+checkpoint._drop_abandoned_read_errors()
+
+async def fail(error):
+  raise error
+
+loop = asyncio.new_event_loop()
+tasks = [loop.create_task(fail(Exception("Encountered error while reading array index: (0,)"))),
+         loop.create_task(fail(ValueError("another task's error")))]
+loop.run_until_complete(asyncio.sleep(0.01))
+del tasks
+gc.collect()
+loop.close()
+print("done")
+"""
+
+
+def test_a_damaged_reads_never_retrieved_tasks_are_dropped_and_no_other_error():
+  """A read of a damaged checkpoint leaves tasks whose errors asyncio's logger reports, with
+  their tracebacks, when they are collected (at any time, even before the command's error
+  line): those are dropped; an unrelated task's error still prints."""
+  proc = subprocess.run([sys.executable, "-c", _NEVER_RETRIEVED], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr[-2000:]
+  assert "Encountered error" not in proc.stderr
+  assert "Task exception was never retrieved" in proc.stderr
+  assert "another task's error" in proc.stderr
+
+
 def test_every_checkpoint_damaged_is_one_line(tmp_path, trained):
   _, source = trained
   workdir = tmp_path / "w"

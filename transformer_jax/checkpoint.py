@@ -368,13 +368,21 @@ def _drop_abandoned_read_errors() -> None:
 
   The read stops at the first array that fails; orbax then closes its event loop while
   tensorstore finishes the other reads, and each of them reports the closed loop or the same
-  damage through `sys.unraisablehook`, or leaves a coroutine never awaited, at any later time
-  (often at exit, after a command's one error line). Exactly those are dropped.
+  damage through `sys.unraisablehook`, or leaves a coroutine never awaited, or a task whose
+  exception asyncio's logger reports as never retrieved (with its traceback), at any later
+  time (often at exit, after a command's one error line). Exactly those are dropped.
   """
   if _drop_unraisable("abandoned reads",
                       lambda u: str(u.exc_value).startswith(_ABANDONED_READ_ERRORS)):
     warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
                             "awaited", RuntimeWarning)
+    std_logging.getLogger("asyncio").addFilter(_not_an_abandoned_read)
+
+
+def _not_an_abandoned_read(record: std_logging.LogRecord) -> bool:
+  """A logging filter: False for a record of one of an abandoned read's errors."""
+  error = record.exc_info[1] if record.exc_info else None
+  return error is None or not str(error).startswith(_ABANDONED_READ_ERRORS)
 
 
 def _drop_echoes(names: tuple[str, ...]) -> None:
