@@ -146,6 +146,31 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
   assert (tmp_path / "later.txt").read_text() == (tmp_path / "first.txt").read_text()
 
 
+_CTRL_C_WHILE_COMPILING_FOR_LATER = """
+import sys
+from transformer_jax import translator
+def interrupted(self):
+  raise KeyboardInterrupt
+translator.Translator.compile_slot_programs = interrupted
+sys.argv = ["python -m transformer_jax translate", *sys.argv[1:]]
+from transformer_jax.commands import translate
+translate.run()
+"""
+
+
+def test_ctrl_c_while_compiling_for_later_commands_keeps_the_written_output(trained, tmp_path):
+  _, workdir = trained
+  source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+  source.write_text("Go.\nHello.\n")
+  result = _run("-c", _CTRL_C_WHILE_COMPILING_FOR_LATER, "--workdir", str(workdir), "--input",
+                str(source), "--output", str(out), "--compilation_cache_dir",
+                str(tmp_path / "cache"))
+  assert _one_error_line(result, returncode=130) == (
+      "error: interrupted while compiling programs for later commands; the translations were "
+      "written")
+  assert len(out.read_text().splitlines()) == 2
+
+
 def test_a_field_of_the_wrong_type_in_config_json_is_one_line(trained, tmp_path):
   import json
   import shutil

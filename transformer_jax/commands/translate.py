@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -257,12 +258,17 @@ def main(argv):
     if references is not None:
       score, signature = corpus_bleu(hypotheses, references)
       print(f"BLEU = {score:.2f}  {signature}")
-    if programs.compiled and programs.directory is not None:
+    if programs.compiled:
       # A first command: its output is written; a later one, its lanes timed differently, may
       # shrink its runs to sizes this one never ran, each a compilation of seconds then.
       logging.info("compiling the slots' other run sizes for later commands (%d programs "
                    "compiled so far)", programs.compiled)
-      translator.compile_slot_programs()
+      try:
+        translator.compile_slot_programs()
+      except KeyboardInterrupt:  # Only the programs for later commands are left out.
+        print("error: interrupted while compiling programs for later commands; the "
+              "translations were written", file=sys.stderr)
+        sys.exit(130)
 
 
 def run() -> None:
