@@ -231,9 +231,10 @@ def main() -> None:
         "server_flags": flags[mode] + args.server_flags.split()}
     results[mode] = row
     print(json.dumps(row), flush=True)
-  if "batching" in results and "nobatching" in results:
-    speedup = results["batching"]["sentences_per_s"] / results["nobatching"]["sentences_per_s"]
-    print(f"batching / one request at a time: {speedup:.2f}x sentences/s")
+  for mode in ("batching", "slots"):
+    if mode in results and "nobatching" in results:
+      speedup = results[mode]["sentences_per_s"] / results["nobatching"]["sentences_per_s"]
+      print(f"{mode} / one request at a time: {speedup:.2f}x sentences/s")
   import jax  # noqa: PLC0415
   out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
          "cpu": cpu_model(), "cores": os.cpu_count(),

@@ -1,6 +1,8 @@
 """Decoding slots against the batch decoders, on the trained smoke model: the same tokens and
 scores for every sentence, with sentences of many lengths entering and leaving few slots."""
 
+import collections
+import functools
 import subprocess
 import sys
 import threading
@@ -181,6 +183,45 @@ def test_the_servers_warm_up_encodes_every_width_its_pieces_meet():
     assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
   batcher.stop()
   assert met == warmed
+
+
+@pytest.mark.quick
+def test_the_servers_lanes_share_a_class_and_each_answer_is_its_own():
+  """With two lanes a class's pieces are split between two streams of one decoder (the least
+  loaded takes the next), which step at once; every answer is still its own sentence's."""
+  from transformer_jax.batcher import Kind, SlotBatcher
+  decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 8, 16, 26, SPECIALS, beam_size=3)
+  taken, steps = collections.defaultdict(list), []
+  for rows, run in list(decoder._runs.items()):
+    decoder._runs[rows] = functools.partial(
+        lambda run, *args: (out := run(*args), steps.append(int(out[2])))[0], run)
+
+  def stream(beam_size, width):
+    assert (beam_size, width) == (3, 16)
+    lane = slots.SlotStream(decoder)  # The lanes share the decoder (its programs).
+    put = lane.put
+    lane.put = lambda item, ids, *rest: (taken[id(lane)].append(len(ids)), put(item, ids, *rest))
+    return lane
+
+  batcher = SlotBatcher(stream, [16], max_queue=64, margin=10, lanes=2)
+  batcher.start([(8, 3), (16, 3)])
+  while not batcher.ready:
+    assert batcher.error is None
+    time.sleep(0.01)
+  taken.clear(), steps.clear()  # The warm-up's.
+  lengths = [n for n in range(2, 17)] * 2
+  jobs = [batcher.submit([([7] * (n - 1) + [SPECIALS.eos], Kind(-(-n // 8) * 8, 3, 0.6))])
+          for n in lengths]
+  for n, job in zip(lengths, jobs):
+    (tokens, _), = job.future.result(timeout=60)
+    assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
+  batcher.stop()
+  assert len(taken) == 2  # Both lanes took pieces,
+  assert sorted(sum(taken.values(), [])) == sorted(lengths)  # each piece once.
+  # A piece's arrival costs no run of no steps: every run stepped until a search ended.
+  assert steps and min(steps) >= 1
+  with pytest.raises(ValueError, match="lanes must be at least 1"):
+    SlotBatcher(stream, [16], max_queue=64, margin=10, lanes=0)
 
 
 @pytest.mark.quick

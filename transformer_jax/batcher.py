@@ -317,22 +317,30 @@ class SlotBatcher:
   have) as soon as its search ends; no piece waits for a batch to fill or to finish.
   `stream(beam_size, width)` makes the stream of a beam size for sources of up to `width`
   tokens; `widths` are the classes' widths, ascending. A stream stops its searches every
-  `max_steps` steps to take new pieces in."""
+  `max_steps` steps to take new pieces in.
+
+  `lanes` streams (threads) serve each beam size and class at once, sharing its queue and its
+  compiled programs: a CPU's matrix products on a step's few rows leave its cores partly idle,
+  and a second stream stepping at the same time fills them (slots.DEFAULT_LANES). A piece goes
+  to the lane holding the fewest searches, so 16 clients' sentences are split between them."""
 
   def __init__(self, stream: Callable[[int, int], object], widths: Sequence[int],
-               max_queue: int, margin: int, max_steps: int = 4):
+               max_queue: int, margin: int, max_steps: int = 4, lanes: int = 1):
     """`margin`: a piece's output limit is its width + margin (translate's rule)."""
+    if lanes < 1:
+      raise ValueError(f"lanes must be at least 1, got {lanes}")
     self._stream, self.widths, self.max_queue = stream, sorted(widths), max_queue
-    self.margin, self.max_steps = margin, max_steps
+    self.margin, self.max_steps, self.lanes = margin, max_steps, lanes
     self._cond = threading.Condition()
     self._queues: dict[tuple[int, int], collections.deque[Piece]] = {}  # By (beam, class).
+    self._held: dict[tuple[int, int], list[int]] = {}  # Searches each lane holds, by class.
+    self._warmed: set[tuple[int, int]] = set()  # Classes whose programs are compiled.
     self._stopping = False
     self._threads: list[threading.Thread] = []
     self.shapes_total = self.shapes_done = 0
     self.ready = False
     self.error: BaseException | None = None
     self._stats = Stats()
-    self._warm = 0
 
   def start(self, kinds: Sequence[tuple[int, int]]) -> None:
     """One thread per beam size and width class of `kinds` ((width, beam size) pairs): each
@@ -340,11 +348,13 @@ class SlotBatcher:
     self.shapes_total = len(kinds)
     classes = sorted({(k, self._class(w)) for w, k in kinds})
     self._queues = {key: collections.deque() for key in classes}
+    self._held = {key: [0] * self.lanes for key in classes}
     for k, cls in classes:
       widths = sorted(w for w, kk in kinds if kk == k and self._class(w) == cls)
-      thread = threading.Thread(target=self._main, args=(k, cls, widths),
-                                name=f"slots-beam{k}-width{cls}", daemon=True)
-      self._threads.append(thread)
+      for lane in range(self.lanes):
+        thread = threading.Thread(target=self._main, args=(k, cls, widths, lane),
+                                  name=f"slots-beam{k}-width{cls}-lane{lane}", daemon=True)
+        self._threads.append(thread)
     for thread in self._threads:
       thread.start()
 
@@ -373,27 +383,39 @@ class SlotBatcher:
   def _class(self, width: int) -> int:
     return next(w for w in self.widths if width <= w)
 
-  def _main(self, beam_size: int, width: int, widths: list[int]) -> None:
-    queue, pieces, number = self._queues[beam_size, width], {}, 0
+  def _main(self, beam_size: int, width: int, widths: list[int], lane: int) -> None:
+    key = (beam_size, width)
+    queue, held, pieces, number = self._queues[key], self._held[key], {}, 0
     try:
       stream = self._stream(beam_size, width)
-      self._warm_up(stream, widths)
+      if lane == 0:
+        self._warm_up(stream, widths, key)
+      else:  # The lanes share the class's programs: the first compiles them.
+        with self._cond:
+          while key not in self._warmed and self.error is None and not self._stopping:
+            self._cond.wait()
+      slots = stream.decoder.slots
       while True:
         with self._cond:
-          while not queue and not stream.busy and not self._stopping:
+          held[lane] = stream.running + stream.waiting
+          # A lane takes pieces while it holds the fewest searches of the class's lanes.
+          mine = lambda: queue and held[lane] < slots and held[lane] <= min(held)
+          while not mine() and not stream.busy and not self._stopping:
             self._cond.wait()
-          if not queue and not stream.busy:
-            return  # Stopping, and nothing is left.
+          if not mine() and not stream.busy:
+            return  # Stopping, and nothing is left for this lane.
           # Pieces wait here (counted against max_queue) until a slot is free.
-          while queue and stream.decoder.slots > stream.running + stream.waiting:
+          while mine():
             piece = queue.popleft()
             number += 1
             pieces[number] = piece
             stream.put(number, np.asarray(piece.ids, np.int32),
                        piece.kind.width + self.margin, piece.kind.alpha)
+            held[lane] += 1
         start = time.monotonic()
-        free = stream.decoder.slots - stream.running
-        finished = stream.advance(min_free=1 if stream.waiting else free + 1,
+        # Every piece put has a slot: the run ends as soon as a search ends (its answer is
+        # due), or after max_steps.
+        finished = stream.advance(min_free=slots - stream.running - stream.waiting + 1,
                                   max_steps=self.max_steps)
         if finished:
           self._finish(pieces, finished, time.monotonic() - start,
@@ -405,10 +427,11 @@ class SlotBatcher:
         self.ready = False
         jobs = [p.job for p in [*pieces.values(), *queue] if p.job.claim_failure()]
         queue.clear()
+        self._cond.notify_all()
       for job in jobs:
         job.future.set_exception(e)
 
-  def _warm_up(self, stream, widths: list[int]) -> None:
+  def _warm_up(self, stream, widths: list[int], key: tuple[int, int]) -> None:
     """Compiles the stream's programs (the encoder's widths and batch sizes for the sources of
     each of `widths`, every run size) before serving."""
     start = time.monotonic()
@@ -430,8 +453,9 @@ class SlotBatcher:
     logging.info("compiled the slots of %d widths in %.1f s", len(widths),
                  time.monotonic() - start)
     with self._cond:
-      self._warm += 1
-      self.ready = self._warm == len(self._threads)
+      self._warmed.add(key)
+      self.ready = len(self._warmed) == len(self._queues)
+      self._cond.notify_all()
 
   def _finish(self, pieces: dict, finished, seconds: float, rows: int) -> None:
     """Answers the pieces that `finished` (a run that held `rows` searches, in `seconds`)."""

@@ -58,6 +58,7 @@ class Settings:
   # Decoding slots per beam size (slots.py): -1, as many as suit the device; 0, fixed batches
   # (the fields above from batch_size to join_widths) instead.
   slots: int = 0
+  lanes: int = 0  # Streams of slots per beam size and width class; 0: the device's default.
 
 
 class BadRequest(Exception):
@@ -80,8 +81,9 @@ class Service:
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
     if settings.slots:
+      lanes = settings.lanes or slots.default_lanes(jax.default_backend())
       self.batcher = SlotBatcher(self._stream, translator.slot_widths, settings.max_queue,
-                                 DecodeOptions().max_len_margin)
+                                 DecodeOptions().max_len_margin, lanes=lanes)
     else:
       self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
                              settings.join_requests, settings.decoders, settings.join_widths)

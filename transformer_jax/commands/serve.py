@@ -49,6 +49,10 @@ def define_flags() -> None:
                       "come and leave as their searches end (continuous batching). On a CPU the "
                       "slots' idle rows cost as much as busy ones, so few clients are served "
                       "faster by fixed batches (docs/serving.md).")
+  flags.DEFINE_integer("lanes", 0, "With --slots: streams of slots serving each beam size and "
+                       "source-width class at once, each driven by a thread of its own; 0: as "
+                       "many as suit this device (2 on a CPU, whose cores one stream's small "
+                       "steps leave partly idle; 1 on an accelerator).")
   flags.DEFINE_integer("batch_size", 64, "Sentences per batch at most.")
   flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of rows x source "
                        "tokens (beams count as rows), up to --batch_size; 0: --batch_size.")
@@ -113,8 +117,8 @@ def main(argv):
     if FLAGS.max_queue < FLAGS.max_sentences:
       raise ServeError(f"--max_queue {FLAGS.max_queue} is below --max_sentences "
                        f"{FLAGS.max_sentences}: a full request could never be queued")
-    if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0:
-      raise ServeError("--batch_tokens and --max_wait_ms must be 0 or positive")
+    if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0 or FLAGS.lanes < 0:
+      raise ServeError("--batch_tokens, --max_wait_ms and --lanes must be 0 or positive")
     if FLAGS.slots != "auto" and not FLAGS.slots.isdigit():
       raise ServeError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
                        f"{FLAGS.slots!r}")
@@ -150,7 +154,7 @@ def main(argv):
         decoders=FLAGS.decoders, join_widths=FLAGS.join_widths,
         max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
         max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars,
-        slots=-1 if FLAGS.slots == "auto" else int(FLAGS.slots))
+        slots=-1 if FLAGS.slots == "auto" else int(FLAGS.slots), lanes=FLAGS.lanes)
     if default_beam not in settings.beam_sizes:
       raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
                        f"size ({default_beam}), which requests without beam_size get")
