@@ -269,6 +269,7 @@ def test_a_client_stalled_halfway_through_its_request_does_not_hold_up_shutdown(
     (["--beam_sizes=1"], "leaves out the workdir's default beam size (4)"),
     (["--beam_sizes=0,4"], "--beam_sizes must be at least 1"),
     (["--decoders=0"], "--decoders must be at least 1, got 0"),
+    (["--slots=auto", "--lanes=-1"], "--lanes must be 0 (the device's) or positive, got -1"),
 ])
 def test_bad_flags_are_one_line_errors(trained, flags, message):
   _, workdir = trained

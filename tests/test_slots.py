@@ -132,7 +132,8 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
   """A file's last sources, and a server's few new ones, are encoded in a batch of an eighth,
   a quarter or a half of the slots where one fits (on a CPU; an accelerator has the eighth and
   all of them), not in one of every slot."""
-  assert slots.encode_sizes(128) == [16, 32, 64, 128]
+  assert slots.encode_sizes(128) == [1, 2, 16, 32, 64, 128]
+  assert slots.encode_sizes(32) == [1, 2, 4, 8, 16, 32]
   assert slots.encode_sizes(128, fraction=1) == [16, 128]
   assert slots.encode_sizes(4) == [1, 2, 4]
   lengths = [3 + i % 5 for i in range(16 + 7)]  # A batch of every slot, then 7 sources.

@@ -118,10 +118,13 @@ def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[int]
 def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[int]:
   """The batch sizes (rows) sources are encoded in, ascending: an eighth of the slots (a
   server's few new sentences) and all of them, and where steps cost their rows (`fraction` >
-  1: a CPU) the quarter and the half between: a file's last sources in a batch of their size,
-  not of every slot (128 rows of width 64 took 571 ms on 2 cores)."""
+  1: a CPU) the quarter and the half between, and 1 and 2: a file's last sources in a batch of
+  their size, not of every slot (128 rows of width 64 took 571 ms on 2 cores), and a server's
+  sentence or two that came while its slots stepped in a batch of one or two, not of four (a
+  server's lane spent a quarter of its time encoding batches of 4 for them)."""
   fractions = (8, 4, 2, 1) if fraction > 1 else (8, 1)
-  return sorted({max(1, slots // f) for f in fractions})
+  sizes = {max(1, slots // f) for f in fractions}
+  return sorted(sizes | ({1, 2} & set(range(1, slots + 1)) if fraction > 1 else set()))
 
 
 def _where(mask: jax.Array, new, old):

@@ -117,8 +117,10 @@ def main(argv):
     if FLAGS.max_queue < FLAGS.max_sentences:
       raise ServeError(f"--max_queue {FLAGS.max_queue} is below --max_sentences "
                        f"{FLAGS.max_sentences}: a full request could never be queued")
-    if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0 or FLAGS.lanes < 0:
-      raise ServeError("--batch_tokens, --max_wait_ms and --lanes must be 0 or positive")
+    if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0:
+      raise ServeError("--batch_tokens and --max_wait_ms must be 0 or positive")
+    if FLAGS.lanes < 0:
+      raise ServeError(f"--lanes must be 0 (the device's) or positive, got {FLAGS.lanes}")
     if FLAGS.slots != "auto" and not FLAGS.slots.isdigit():
       raise ServeError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
                        f"{FLAGS.slots!r}")
