@@ -124,7 +124,9 @@ def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[i
   server's lane spent a quarter of its time encoding batches of 4 for them)."""
   fractions = (8, 4, 2, 1) if fraction > 1 else (8, 1)
   sizes = {max(1, slots // f) for f in fractions}
-  return sorted(sizes | ({1, 2} & set(range(1, slots + 1)) if fraction > 1 else set()))
+  if fraction > 1:
+    sizes |= {size for size in (1, 2) if size <= slots}
+  return sorted(sizes)
 
 
 def _where(mask: jax.Array, new, old):
