@@ -3,6 +3,7 @@ or compiling."""
 
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,6 +95,34 @@ def test_arguments_of_another_dtype_or_weak_type_are_other_programs(tmp_path):
   assert len(traces) == 5  # float32 [3], int32 [3], float32 (), weak float (), weak int ().
   assert len(list(tmp_path.glob("add-*.executable"))) == 5
 
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_compile_readies_a_program_without_running_it(tmp_path, kept):
+  fn, traces = _counted()
+  store = ProgramStore(tmp_path if kept else None)
+  add = store.jit("add", "v1", fn, donate_argnums=0)
+  state = {"sum": jnp.zeros(()), "last": jnp.zeros(3)}
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  add.compile(jax.tree.map(shape, state), jax.ShapeDtypeStruct((3,), jnp.float32))
+  assert len(traces) == 1 and store.compiled == 1
+  assert not state["sum"].is_deleted()  # Not run: its donated argument is still there.
+  out = add(state, jnp.arange(3.0))
+  assert len(traces) == 1 and float(out["sum"]) == 3.0 and state["sum"].is_deleted()
+
+
+def test_functions_of_a_store_with_the_same_key_share_its_program(tmp_path):
+  fn, traces = _counted()
+  store = ProgramStore(tmp_path)
+  store.jit("add", "v1", fn).compile({"sum": jnp.zeros(())}, jnp.ones(3))
+  (path,) = tmp_path.glob("add-*.executable")
+  path.unlink()  # So the second can only take the first's program.
+  fn2, traces2 = _counted()
+  out = store.jit("add", "v1", fn2)({"sum": jnp.zeros(())}, jnp.ones(3))
+  assert float(out["sum"]) == 3.0 and traces2 == [] and store.compiled == 1
+  assert list(tmp_path.glob("add-*.executable")) == []
+  store.jit("add", "v2", fn2)({"sum": jnp.zeros(())}, jnp.ones(3))  # Another key: its own.
+  assert len(traces2) == 1 and store.compiled == 2
 
 
 def _two_programs(store):

@@ -127,6 +127,16 @@ def _counting_model(vocab=16):
       "calls": jnp.zeros((rows,), jnp.int32)}, encode=encode)
 
 
+def _watched(program, watch):
+  """`program` (a ProgramStore function), calling watch(out) with each call's output."""
+  def call(*args):
+    out = program(*args)
+    watch(out)
+    return out
+  call.compile = program.compile
+  return call
+
+
 @pytest.mark.quick
 def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
   """A file's last sources, and a server's few new ones, are encoded in a batch of an eighth,
@@ -154,19 +164,20 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
 
 
 @pytest.mark.quick
-def test_the_servers_warm_up_encodes_every_width_its_pieces_meet():
+def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
   """A piece's width is its length rounded up to 8 and an encoder batch's its longest's
-  rounded up to 4: the slots' warm-up encodes each of those, so no request waits for a
-  program to compile."""
+  rounded up to 4: the slots' warm-up compiles the encoder for each of those and every other
+  program, and runs each, so no request waits for a program to compile or for its first
+  call."""
   from transformer_jax.batcher import Kind, SlotBatcher
-  met, decoders = set(), []
+  store, runs = ProgramStore(None), collections.Counter()
 
   def stream(beam_size, width):
     decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 4, width, width + 10,
-                                SPECIALS, beam_size=beam_size)
-    encode = decoder._encode
-    decoder._encode = lambda params, src: (met.add(src.shape), encode(params, src))[1]
-    decoders.append(decoder)
+                                SPECIALS, beam_size=beam_size, programs=store)
+    for rows, run in list(decoder._runs.items()):
+      decoder._runs[rows] = _watched(
+          run, lambda out, rows=rows, width=width: runs.update([(width, rows, int(out[2]) > 0)]))
     return slots.SlotStream(decoder)
 
   batcher = SlotBatcher(stream, [8, 16], max_queue=64, margin=10)
@@ -174,16 +185,22 @@ def test_the_servers_warm_up_encodes_every_width_its_pieces_meet():
   while not batcher.ready:
     assert batcher.error is None
     time.sleep(0.01)
-  warmed = set(met)
   assert batcher.shapes_done == batcher.shapes_total == 2
-  assert {width for _, width in warmed} == {4, 8, 12, 16}
+  compiled = store.compiled
+  # Two classes' decoders (sources of up to 8 and 16 tokens): encoder batches of 1, 2 and 4
+  # rows at widths 4 and 8, and 12 and 16; each, 3 run sizes, refill for 1 and 2 rows, feed,
+  # compact, results, and the empty state.
+  assert compiled == 2 * 3 * 2 + 2 * (3 + 2 + 4)
+  # Each run size but that of every slot was run for some steps (4 sources at once go to the
+  # feed program).
+  assert {key for key in runs if key[2]} == {(w, r, True) for w in (8, 16) for r in (1, 2)}
   jobs = [batcher.submit([([7] * (n - 1) + [SPECIALS.eos], Kind(-(-n // 8) * 8, 1, 0.6))])
           for n in range(1, 17)]
   for n, job in enumerate(jobs, 1):
     (tokens, _), = job.future.result(timeout=60)
     assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
   batcher.stop()
-  assert met == warmed
+  assert store.compiled == compiled
 
 
 @pytest.mark.quick
@@ -194,8 +211,7 @@ def test_the_servers_lanes_share_a_class_and_each_answer_is_its_own():
   decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 8, 16, 26, SPECIALS, beam_size=3)
   taken, steps = collections.defaultdict(list), []
   for rows, run in list(decoder._runs.items()):
-    decoder._runs[rows] = functools.partial(
-        lambda run, *args: (out := run(*args), steps.append(int(out[2])))[0], run)
+    decoder._runs[rows] = _watched(run, lambda out: steps.append(int(out[2])))
 
   def stream(beam_size, width):
     assert (beam_size, width) == (3, 16)

@@ -432,27 +432,18 @@ class SlotBatcher:
         job.future.set_exception(e)
 
   def _warm_up(self, stream, widths: list[int], key: tuple[int, int]) -> None:
-    """Compiles the stream's programs (the encoder's widths and batch sizes for the sources of
-    each of `widths`, every run size) before serving."""
+    """Compiles (or loads) the stream's programs before serving, and calls each once: every
+    run size, and the encoder's for the batches the sources of each of `widths` make."""
     start = time.monotonic()
-    done: set[int] = set()
-    for width in widths:
-      # A piece's width is its length rounded up to 8 (server.py), and a batch is encoded in
-      # the decoder's width for its longest.
-      lengths = range(max(1, width - 7), width + 1)
-      for encode_width in sorted({stream.decoder.encode_width(n) for n in lengths} - done):
-        for count in stream.decoder.encode_sizes:  # Every encoder batch size.
-          for n in range(count):
-            stream.put(-1 - n, np.array([3] * (encode_width - 1) + [2], np.int32), 2, 0.6)
-          while stream.busy:
-            stream.advance(min_free=stream.decoder.slots + 1)
-        done.add(encode_width)
-      with self._cond:
-        self.shapes_done += 1
-    stream.decoder.compile_runs()
+    decoder = stream.decoder
+    # A piece's width is its length rounded up to 8 (server.py), and a batch is encoded in
+    # the decoder's width for its longest.
+    stream.warm_up(sorted({decoder.encode_width(n) for width in widths
+                           for n in range(max(1, width - 7), width + 1)}))
     logging.info("compiled the slots of %d widths in %.1f s", len(widths),
                  time.monotonic() - start)
     with self._cond:
+      self.shapes_done += len(widths)
       self._warmed.add(key)
       self.ready = len(self._warmed) == len(self._queues)
       self._cond.notify_all()

@@ -86,13 +86,15 @@ def _signature(args) -> tuple:
 
 class ProgramStore:
   """Programs compiled once per key into `directory` (None: nothing kept; `jit` is then jax.jit
-  behind the same compile-once lock)."""
+  behind the same compile-once lock). Functions of one store whose programs have the same key
+  share the program loaded."""
 
   def __init__(self, directory: str | Path | None):
     self.directory = Path(directory) if directory else None
-    # Programs by file: a Future of the loaded program where `preload`'s thread took it (None
-    # in it where it did not load), None where a call took it first.
-    self._taken: dict[Path, concurrent.futures.Future | None] = {}
+    # Programs by file, for every function of this store: a Future of the program that
+    # `preload`'s thread or the first call loading (or compiling) it gives (None in it where
+    # that failed).
+    self._taken: dict[Path, concurrent.futures.Future] = {}
     self._taken_lock = threading.Lock()
     self._used: dict[str, None] = {}  # The files of the programs called, first called first.
     self.preloaded = 0  # Programs preload's thread loaded (what a call then found ready).
@@ -154,38 +156,64 @@ class ProgramStore:
   def jit(self, name: str, describe: str, fn: Callable, **jit_args) -> Callable:
     """jax.jit(fn, **jit_args), its programs kept under `name` and `describe`: a description of
     everything the function closes over (sizes, settings, constants) that its arguments' shapes
-    do not say. Threads may call it at once: each program is compiled by one of them."""
+    do not say. Threads may call it at once: each program is compiled by one of them.
+
+    The function returned has `compile(*args)`: makes the program for arguments like `args`
+    (arrays, or jax.ShapeDtypeStructs of them) ready, compiled or loaded, without running it."""
     ready: dict[tuple, Callable] = {}  # By signature: the programs compiled (or loaded).
     lock = threading.Lock()
+
+    def program_for(args, signature):
+      with lock:  # Threads that meet a program first at once: one compiles it, the rest wait.
+        program = ready.get(signature)
+        if program is None:
+          program = ready[signature] = self._program(name, describe, signature, fn, jit_args,
+                                                     args)
+      return program
 
     def call(*args):
       signature = _signature(args)
       program = ready.get(signature)
-      if program is not None:
-        return program(*args)
-      with lock:  # Threads that meet a program first at once: one compiles it, the rest wait.
-        program = ready.get(signature)
-        if program is None:
-          program = (jax.jit(fn, **jit_args) if self.directory is None else
-                     self._program(name, describe, signature, fn, jit_args, args))
-          out = program(*args)  # Compiles (or loads) it.
-          ready[signature] = program
-          return out
+      if program is None:
+        program = program_for(args, signature)
       return program(*args)
+
+    def compile_only(*args) -> None:
+      program_for(args, _signature(args))
+
+    call.compile = compile_only
     return call
 
   def _program(self, name: str, describe: str, signature: tuple, fn: Callable,
                jit_args: dict, args):
-    """The compiled program of `fn` for `args`: loaded from the directory, else compiled and
-    kept there."""
+    """The compiled program of `fn` for `args`: loaded from the directory (or taken from
+    another function of this store with the same key), else compiled and kept there."""
+    if self.directory is None:
+      compiled = jax.jit(fn, **jit_args).lower(*args).compile()
+      with self._taken_lock:
+        self.compiled += 1
+      return compiled
     key = hashlib.sha256("\0".join((_build_key(), name, describe, repr(signature))).encode())
     path = self.directory / f"{name}-{key.hexdigest()[:40]}.executable"
     with self._taken_lock:
       self._used.setdefault(path.name)
-      preloading = self._taken.setdefault(path, None)
-    preloaded = preloading.result() if preloading is not None else None
-    if preloaded is not None:
-      return preloaded
+      taken = self._taken.get(path)
+      if taken is None:  # Loaded (or compiled) here; a call of the same key meanwhile waits.
+        self._taken[path] = future = concurrent.futures.Future()
+    if taken is not None:
+      program = taken.result()
+      if program is not None:
+        return program
+      # Preloading it failed: loaded or compiled again below, not shared.
+    program = None
+    try:
+      program = self._load_or_compile(name, path, fn, jit_args, args)
+      return program
+    finally:
+      if taken is None:
+        future.set_result(program)  # None where it raised: a waiting call tries for itself.
+
+  def _load_or_compile(self, name: str, path: Path, fn: Callable, jit_args: dict, args):
     if path.exists():
       try:
         return _load(path)

@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +157,10 @@ class SlotDecoder:
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
                      self.row_copy))
     jit = functools.partial(programs.jit, describe=describe)
-    self._encode = jit("slots_encode", fn=lambda params, src: model.encode(params, src, width))
+    # The encoder's programs depend on the model and the width alone: decoders of the same
+    # width share them (a server's beam sizes).
+    self._encode = programs.jit("slots_encode", repr((model.describe, width)),
+                                lambda params, src: model.encode(params, src, width))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
     fraction = min_rows_fraction or default_min_rows_fraction(jax.default_backend())
@@ -188,18 +191,30 @@ class SlotDecoder:
       self.steps_run += int(steps)
       self.rows_stepped += int(steps) * rows * self.k
 
-  def compile_runs(self) -> None:
-    """Compiles (or loads) the run program of every active size and `compact` now, not when
-    traffic first needs them (a server's warm-up)."""
+  def compile(self, encode_widths: Sequence[int] = ()) -> None:
+    """Compiles (or loads), without running them, the programs of every run size, `feed`,
+    `compact` and `results` and, given `encode_widths`, the encoder's (batches of every
+    encoder size at each of those source widths) and `refill`'s: so that no search waits
+    for one (translate's programs before its file, a server's before it is ready)."""
     state = self._empty(self.params)
+    shape = lambda *dims, dtype=np.int32: jax.ShapeDtypeStruct(dims, dtype)
+    u = self.slots
+    batch = lambda rows: jax.tree.map(lambda x: shape(rows, *x.shape[1:], dtype=x.dtype),
+                                      state["sources"])  # What an encoder batch gives.
     for run in self._runs.values():
-      state, _, _ = run(self.params, state, np.int32(0), np.int32(0))
-    encoded = self._empty(self.params)["sources"]  # Shaped as a batch of every slot's encoding.
-    queue = (np.zeros(self.slots, np.int32), np.ones(self.slots, np.int32),
-             np.zeros(self.slots, np.float32))
-    state, *_ = self._feed(self.params, state, encoded, queue, np.int32(0), np.int32(0),
-                           np.int32(0), np.int32(0))
-    jax.block_until_ready(self._compact(state, np.arange(self.slots, dtype=np.int32)))
+      run.compile(self.params, state, shape(), shape())
+    queue = shape(u), shape(u), shape(u, dtype=np.float32)
+    self._feed.compile(self.params, state, batch(u), queue, shape(), shape(), shape(), shape())
+    self._compact.compile(state, shape(u))
+    self._results.compile(state)
+    if not encode_widths:
+      return
+    for rows in self.encode_sizes:
+      for width in encode_widths:
+        self._encode.compile(self.params, shape(rows, width))
+      if rows < u:  # A batch of every slot goes to the feed program.
+        self._refill.compile(state, batch(rows), shape(u), shape(u), shape(u),
+                             shape(u, dtype=np.float32))
 
   # --- the compiled programs ---------------------------------------------------------------
 
@@ -588,6 +603,32 @@ class SlotStream:
     tokens, scores = map(np.asarray, d._results(self._state))
     self._active &= ~finished
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
+
+  def warm_up(self, encode_widths: Sequence[int]) -> None:
+    """Compiles (or loads) the decoder's programs (SlotDecoder.compile) and calls them once,
+    the encoder's at each of `encode_widths`: a program's first call costs more than its later
+    ones (on a CPU, XLA's YNN fusions build their kernels then: 40-100 ms for an encoder's),
+    better paid here than by the first sentences. Leaves the stream as it found it.
+
+    The encoder's batches of over a quarter of the slots are left to traffic: only a load
+    that fills the slots meets them, and calling each here (on 2 cores, 0.3-0.8 s for 64 and
+    128 sources of 36-64 tokens) would slow the start more than it speeds such a load."""
+    d = self.decoder
+    d.compile(encode_widths)
+    for width in encode_widths:
+      src = np.zeros((d.slots, width), np.int32)
+      src[:, :2] = (3, d.specials.eos)  # A token, then <eos>.
+      for rows in [rows for rows in d.encode_sizes if rows <= max(1, d.slots // 4)]:
+        jax.block_until_ready(d._encode(d.params, src[:rows]))
+    # Searches that run `rows` at a time and end within 2 steps, their sources as wide as an
+    # encoder program compiled above. (A run of every slot is left out: `slots` sources put
+    # at once go to the feed program, which this calls.)
+    ids = np.array([3] * (min(encode_widths, default=2) - 1) + [d.specials.eos], np.int32)
+    for rows in d.run_sizes:
+      for n in range(rows):
+        self.put(-1 - n, ids, 2, d.alpha)
+      while self.busy:
+        self.advance(min_free=d.slots + 1)
 
   def _feed(self, min_free: int, max_steps: int | None) -> list[tuple[int, Any, Any]]:
     """advance() by the decoder's feed program: the searches take the encoded batch's waiting

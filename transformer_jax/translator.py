@@ -128,9 +128,9 @@ class Translator:
 
   def compile_slot_programs(self) -> None:
     """Compiles (or loads) every run size and the other programs of each slot decoder made so
-    far (SlotDecoder.compile_runs), not only those its traffic met."""
+    far (SlotDecoder.compile), not only those its traffic met."""
     for decoder in self._slot_decoders.values():
-      decoder.compile_runs()
+      decoder.compile()
 
   def slot_decoder(self, options: DecodeOptions, num_slots: int,
                    width: int | None = None) -> slots.SlotDecoder:
