@@ -167,8 +167,8 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
 def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
   """A piece's width is its length rounded up to 8 and an encoder batch's its longest's
   rounded up to 4: the slots' warm-up compiles the encoder for each of those and every other
-  program, and runs each, so no request waits for a program to compile or for its first
-  call."""
+  program, and calls the run sizes and small encoder batches once, so no request waits for a
+  program to compile."""
   from transformer_jax.batcher import Kind, SlotBatcher
   store, runs = ProgramStore(None), collections.Counter()
 

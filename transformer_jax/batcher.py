@@ -351,8 +351,12 @@ class SlotBatcher:
     self._held = {key: [0] * self.lanes for key in classes}
     for k, cls in classes:
       widths = sorted(w for w, kk in kinds if kk == k and self._class(w) == cls)
+      # A piece's width is the narrowest of its beam size's kinds that holds it: the class
+      # holds the pieces longer than the kind below its first.
+      below = max((w for w, kk in kinds if kk == k and w < widths[0]), default=0)
+      lengths = range(below + 1, widths[-1] + 1)
       for lane in range(self.lanes):
-        thread = threading.Thread(target=self._main, args=(k, cls, widths, lane),
+        thread = threading.Thread(target=self._main, args=(k, cls, widths, lengths, lane),
                                   name=f"slots-beam{k}-width{cls}-lane{lane}", daemon=True)
         self._threads.append(thread)
     for thread in self._threads:
@@ -383,13 +387,14 @@ class SlotBatcher:
   def _class(self, width: int) -> int:
     return next(w for w in self.widths if width <= w)
 
-  def _main(self, beam_size: int, width: int, widths: list[int], lane: int) -> None:
+  def _main(self, beam_size: int, width: int, widths: list[int], lengths: range,
+            lane: int) -> None:
     key = (beam_size, width)
     queue, held, pieces, number = self._queues[key], self._held[key], {}, 0
     try:
       stream = self._stream(beam_size, width)
       if lane == 0:
-        self._warm_up(stream, widths, key)
+        self._warm_up(stream, widths, lengths, key)
       else:  # The lanes share the class's programs: the first compiles them.
         with self._cond:
           while key not in self._warmed and self.error is None and not self._stopping:
@@ -431,15 +436,13 @@ class SlotBatcher:
       for job in jobs:
         job.future.set_exception(e)
 
-  def _warm_up(self, stream, widths: list[int], key: tuple[int, int]) -> None:
-    """Compiles (or loads) the stream's programs before serving, and calls each once: every
-    run size, and the encoder's for the batches the sources of each of `widths` make."""
+  def _warm_up(self, stream, widths: list[int], lengths: range,
+               key: tuple[int, int]) -> None:
+    """Compiles (or loads) the stream's programs before serving, and calls those traffic
+    meets first (SlotStream.warm_up): every run size, and the encoder's for the batches that
+    pieces of `lengths` tokens make (encoded in the decoder's width for their longest)."""
     start = time.monotonic()
-    decoder = stream.decoder
-    # A piece's width is its length rounded up to 8 (server.py), and a batch is encoded in
-    # the decoder's width for its longest.
-    stream.warm_up(sorted({decoder.encode_width(n) for width in widths
-                           for n in range(max(1, width - 7), width + 1)}))
+    stream.warm_up(sorted({stream.decoder.encode_width(n) for n in lengths}))
     logging.info("compiled the slots of %d widths in %.1f s", len(widths),
                  time.monotonic() - start)
     with self._cond:

@@ -98,7 +98,8 @@ class ProgramStore:
     self._taken_lock = threading.Lock()
     self._used: dict[str, None] = {}  # The files of the programs called, first called first.
     self.preloaded = 0  # Programs preload's thread loaded (what a call then found ready).
-    self.compiled = 0  # Programs compiled here (none was kept, or the kept one did not load).
+    # Programs compiled here (none was kept, the kept one did not load, or no directory).
+    self.compiled = 0
 
   def _list_path(self, settings: str) -> Path:
     """Where `remember` keeps the programs of a command of `settings` (and of this build)."""

@@ -195,7 +195,8 @@ class SlotDecoder:
     """Compiles (or loads), without running them, the programs of every run size, `feed`,
     `compact` and `results` and, given `encode_widths`, the encoder's (batches of every
     encoder size at each of those source widths) and `refill`'s: so that no search waits
-    for one (translate's programs before its file, a server's before it is ready)."""
+    for one (a first translate command's, for later commands; a server's before it is
+    ready)."""
     state = self._empty(self.params)
     shape = lambda *dims, dtype=np.int32: jax.ShapeDtypeStruct(dims, dtype)
     u = self.slots
