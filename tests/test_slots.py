@@ -164,6 +164,45 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
 
 
 @pytest.mark.quick
+def test_a_batch_of_many_source_tokens_is_encoded_a_chunk_of_rows_at_a_time():
+  """A CPU's encoder program computes at most ENCODE_TOKENS source tokens at once (the most
+  rows dividing the batch that hold them, at least one); an accelerator's a batch whole."""
+  assert slots.chunk_rows(128, 16, 1024) == 64
+  assert slots.chunk_rows(128, 12, 1024) == 64  # 85 rows would fit; 64 divide the batch.
+  assert slots.chunk_rows(128, 64, 1024) == 16
+  assert slots.chunk_rows(100, 16, 1024) == 50
+  assert slots.chunk_rows(32, 8, 1024) == 32  # Few tokens: the batch whole.
+  assert slots.chunk_rows(3, 600, 1024) == 1  # A row over the budget is still encoded.
+  assert slots.chunk_rows(128, 64, 0) == 128
+  assert slots.default_encode_tokens("cpu") == 1024 and slots.default_encode_tokens("gpu") == 0
+  traced = []
+  encode = lambda params, src, width: (traced.append(src.shape), {
+      "n": jnp.sum(src != SPECIALS.pad, axis=1), "width": jnp.full(src.shape[:1], width)})[1]
+  src = jnp.asarray(np.arange(6 * 8).reshape(6, 8) % 5, jnp.int32)
+  out = jax.jit(lambda src: slots.encode_in_chunks(encode, 12, 16, None, src))(src)
+  assert traced == [(2, 8)]  # Three chunks of two rows, one traced body.
+  np.testing.assert_array_equal(out["n"], np.sum(np.asarray(src) != SPECIALS.pad, axis=1))
+  assert out["width"].tolist() == [12] * 6
+
+
+def test_sources_encoded_in_chunks_decode_as_a_batch_of_their_width(trained, sources):
+  """Encoder batches split into chunks of rows (a tiny budget here, so that the smoke
+  model's batches are split) give each sentence the tokens and scores of the batch decoder."""
+  chunked = Translator(trained[1])
+  chunked.encode_tokens = 24  # 4 slots: 2 rows a chunk up to 12 tokens wide, 1 row beyond.
+  options = DecodeOptions(beam_size=4, alpha=0.6)
+  src, rows = _rows(chunked, sources)
+  widths = np.array([-(-len(r) // 8) * 8 for r in rows])
+  tokens, scores = chunked.decode(src, options, widths=widths)
+  got = chunked.decode_slots(rows, options, num_slots=4)
+  assert {d.width for d in chunked._slot_decoders.values()} == set(chunked.slot_widths)
+  for i, (slot_tokens, slot_scores) in enumerate(got):
+    n = min(slot_tokens.shape[1], tokens.shape[2])
+    np.testing.assert_array_equal(slot_tokens[:, :n], tokens[i, :, :n], err_msg=str(i))
+    np.testing.assert_allclose(slot_scores, scores[i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.quick
 def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
   """A piece's width is its length rounded up to 8 and an encoder batch's its longest's
   rounded up to 4: the slots' warm-up compiles the encoder for each of those and every other

@@ -129,6 +129,39 @@ def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[i
   return sorted(sizes)
 
 
+# Source tokens a CPU's encoder program computes at once: a larger batch is encoded a chunk of
+# its rows after another, inside the program. On 2 cores of an AMD EPYC, 128 sources of 32 or
+# 64 tokens took 1.5-1.9x as long in one pass as in chunks of about 1,024 tokens, and batches
+# of fewer tokens gained nothing (benchmarks/analysis/encode_chunks.py, docs/translating.md).
+# An accelerator (0) encodes each batch whole.
+ENCODE_TOKENS = {"cpu": 1024, "gpu": 0, "tpu": 0}
+
+
+def default_encode_tokens(platform: str) -> int:
+  """The source tokens an encoder program computes at once on `platform` (ENCODE_TOKENS)."""
+  return ENCODE_TOKENS.get(platform, ENCODE_TOKENS["cpu"])
+
+
+def chunk_rows(rows: int, width: int, tokens: int) -> int:
+  """The rows of `width` tokens an encoder program computes at once, of a batch of `rows`: the
+  most rows dividing `rows` that hold at most `tokens` tokens (at least 1); all with `tokens`
+  0."""
+  if not tokens:
+    return rows
+  return max(d for d in range(1, rows + 1) if rows % d == 0 and (d == 1 or d * width <= tokens))
+
+
+def encode_in_chunks(encode: Callable, width: int, tokens: int, params, src: jax.Array):
+  """SlotModel.encode(params, src [P, w], width), computed `chunk_rows(P, w, tokens)` rows at a
+  time (lax.map); the same state as one pass, row for row."""
+  rows, w = src.shape
+  chunk = chunk_rows(rows, w, tokens)
+  if chunk == rows:
+    return encode(params, src, width)
+  parts = jax.lax.map(lambda part: encode(params, part, width), src.reshape(-1, chunk, w))
+  return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), parts)
+
+
 def _where(mask: jax.Array, new, old):
   """Per leading index: `new`'s rows where `mask` [U], else `old`'s (pytrees alike)."""
   return jax.tree.map(lambda n, o: jnp.where(mask.reshape(-1, *[1] * (o.ndim - 1)), n, o),
@@ -143,11 +176,13 @@ class SlotDecoder:
                specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
                sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
                programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
-               row_copy: str | None = None):
+               row_copy: str | None = None, encode_tokens: int | None = None):
     """`programs`: where the compiled programs are kept for a later process (default: not).
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
     the platform's, MIN_ROWS_FRACTION). `row_copy`: how moved beams' cache rows and new
-    sources are copied into place (default: the platform's, decode.ROW_COPIES)."""
+    sources are copied into place (default: the platform's, decode.ROW_COPIES).
+    `encode_tokens`: the source tokens the encoder computes at once (0: a batch whole;
+    default: the platform's, ENCODE_TOKENS)."""
     self.model, self.params, self.specials = model, params, specials
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
@@ -157,10 +192,12 @@ class SlotDecoder:
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
                      self.row_copy))
     jit = functools.partial(programs.jit, describe=describe)
-    # The encoder's programs depend on the model and the width alone: decoders of the same
-    # width share them (a server's beam sizes).
-    self._encode = programs.jit("slots_encode", repr((model.describe, width)),
-                                lambda params, src: model.encode(params, src, width))
+    # The encoder's programs depend on the model, the width and the chunk size alone: decoders
+    # of the same width share them (a server's beam sizes).
+    tokens = default_encode_tokens(jax.default_backend()) if encode_tokens is None else (
+        encode_tokens)
+    self._encode = programs.jit("slots_encode", repr((model.describe, width, tokens)),
+                                functools.partial(encode_in_chunks, model.encode, width, tokens))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
     fraction = min_rows_fraction or default_min_rows_fraction(jax.default_backend())

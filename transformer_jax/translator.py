@@ -71,12 +71,14 @@ class Translator:
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     self._slot_decoders: dict[tuple, slots.SlotDecoder] = {}
     # The slot settings of decode_slots: streams of slots that decode a file at once, the
-    # decoders' width classes below the model's max_len, their smallest run size.
+    # decoders' width classes below the model's max_len, their smallest run size, the source
+    # tokens their encoder computes at once.
     platform = platform or jax.default_backend()
     self.lanes = slots.default_lanes(platform)
     self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])
     self.min_rows_fraction = slots.default_min_rows_fraction(platform)
     self.row_copy = decode.row_copy(platform)
+    self.encode_tokens = slots.default_encode_tokens(platform)
 
   @property
   def model(self):
@@ -140,7 +142,7 @@ class Translator:
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
     key = (num_slots, width, max_len, options.beam_size, options.beam_stop,
-           self.min_rows_fraction, self.row_copy)
+           self.min_rows_fraction, self.row_copy, self.encode_tokens)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
@@ -148,7 +150,7 @@ class Translator:
           slot_model(models, self.tokenizers.tgt.vocab_size), params, num_slots, width,
           max_len, SPECIALS, options.beam_size, beam_stop=options.beam_stop,
           programs=self.programs, min_rows_fraction=self.min_rows_fraction,
-          row_copy=self.row_copy)
+          row_copy=self.row_copy, encode_tokens=self.encode_tokens)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
