@@ -202,6 +202,21 @@ def test_sources_encoded_in_chunks_decode_as_a_batch_of_their_width(trained, sou
     np.testing.assert_allclose(slot_scores, scores[i], rtol=1e-5, atol=1e-5)
 
 
+def test_an_ensembles_sources_encoded_in_chunks_decode_as_its_one_member_does(trained,
+                                                                             sources):
+  """An ensemble's encoder state (one per member) is split into chunks of rows as one
+  model's is: a workdir with itself decodes, in chunks, as the workdir."""
+  one, two = Translator(trained[1]), Translator([trained[1], trained[1]])
+  one.encode_tokens = two.encode_tokens = 24
+  _, rows = _rows(one, sources)
+  options = DecodeOptions(beam_size=1)
+  alone = one.decode_slots(rows, options, num_slots=4)
+  both = two.decode_slots(rows, options, num_slots=4)
+  for i, ((tokens, scores), (ensemble_tokens, ensemble_scores)) in enumerate(zip(alone, both)):
+    np.testing.assert_array_equal(ensemble_tokens, tokens, err_msg=str(i))
+    np.testing.assert_allclose(ensemble_scores, scores, atol=1e-4)
+
+
 @pytest.mark.quick
 def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
   """A piece's width is its length rounded up to 8 and an encoder batch's its longest's

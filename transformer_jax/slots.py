@@ -7,7 +7,8 @@ earlier go on computing padding, and a beam search waits for its slowest sentenc
 each with its own step, output limit and source, and compiled programs that a host loop
 drives (`decode_all`):
 
-  encode(params, src [P, w])   the next P sources' encodings, padded to the slots' width
+  encode(params, src [P, w])   the next P sources' encodings, padded to the slots' width (on a
+                               CPU a chunk of rows at a time: ENCODE_TOKENS)
   refill(state, ...)           free slots (empty, or their search ended) take new sources
   run(state, min_free, steps)  steps every search until `min_free` slots are free, none runs,
                                or `steps` steps are done
