@@ -61,8 +61,8 @@ def main() -> None:
       rows_out.append(row)
       print(f"{rows:4d} x {width:3d}, budget {tokens:5d} ({row['chunk_rows']:4d} rows a chunk):"
             f" {row['median_ms']:7.1f} ms, {row['us_per_token']:6.1f} us a token", flush=True)
-  header = (f"{cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__}; {Path(args.workdir).name}; "
-            f"{time.strftime('%Y-%m-%d')}")
+  header = (f"{cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__}; "
+            f"{Path(args.workdir).name}; {time.strftime('%Y-%m-%d')}")
   print(header)
   if args.json:
     Path(args.json).write_text(json.dumps({"header": header, "command": sys.argv,

@@ -5,7 +5,8 @@ time from the start to the Translator ready and each pass's time. The first pass
 programs and makes their first calls; the later ones are what a warm pass costs. Usage:
   python benchmarks/analysis/first_passes.py runs/fra_eng TATOEBA.eng --beam_size 1 \
       --compilation_cache_dir DIR
-(DIR: one a `translate` command with the same flags filled, or every program compiles here.)
+(DIR: where a `translate` command of the same beam size kept its programs; with none kept,
+the first pass compiles them.)
 """
 
 import time
