@@ -122,7 +122,8 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
                                                                                   tmp_path):
   """The first command with an empty cache also compiles the run sizes its traffic did not
   meet (a later command's lanes, timed differently, may shrink to one), after its output is
-  written; the next command then finds every program it calls kept."""
+  written; the next command then finds every program it calls kept, and the model's abstract
+  parameters (no init traced)."""
   from transformer_jax import slots
   _, workdir = trained
   source = tmp_path / "in.txt"
@@ -139,10 +140,13 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
   # The slots (as many as the sources ask for, at most the default), then every size below.
   assert set(slots.run_sizes(max(runs), slots.default_min_rows_fraction("cpu"))) == runs
   assert len(runs) >= 3, runs
+  (abstract,) = (cache / "programs").glob("abstract_params-*.pickle")
+  written = abstract.stat().st_mtime_ns
   later = _run(*translate, "--output", str(tmp_path / "later.txt"))
   assert later.returncode == 0, later.stderr[-2000:]
   assert "other run sizes" not in later.stderr  # It compiled nothing,
   assert {path.name for path in (cache / "programs").glob("*.executable")} == kept  # nor kept.
+  assert abstract.stat().st_mtime_ns == written  # Read back, not written again.
   assert (tmp_path / "later.txt").read_text() == (tmp_path / "first.txt").read_text()
 
 

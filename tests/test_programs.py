@@ -61,6 +61,30 @@ def test_without_a_directory_nothing_is_kept(tmp_path):
   assert float(out["sum"]) == 2.0 and list(tmp_path.iterdir()) == []
 
 
+def test_a_value_is_computed_once_and_read_back_by_a_later_store(tmp_path, caplog):
+  """What a command's start computes (a model's abstract parameters) is kept like a program:
+  a later store reads it back; another description is another value; a damaged file is
+  computed again with a warning; without a directory it is computed each time."""
+  calls = []
+  compute = lambda: calls.append(1) or {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+  first = ProgramStore(tmp_path).value("abstract", "model v1", compute)
+  again = ProgramStore(tmp_path).value("abstract", "model v1", compute)
+  assert again == first and len(calls) == 1
+  ProgramStore(tmp_path).value("abstract", "model v2", compute)
+  assert len(calls) == 2 and len(list(tmp_path.glob("abstract-*.pickle"))) == 2
+
+  for path in tmp_path.glob("abstract-*.pickle"):
+    path.write_bytes(path.read_bytes()[:10])
+  assert ProgramStore(tmp_path).value("abstract", "model v1", compute) == first
+  assert len(calls) == 3 and "did not load" in caplog.text
+  assert ProgramStore(tmp_path).value("abstract", "model v1", compute) == first
+  assert len(calls) == 3  # The damaged file was replaced.
+
+  ProgramStore(None).value("abstract", "model v1", compute)
+  ProgramStore(None).value("abstract", "model v1", compute)
+  assert len(calls) == 5
+
+
 @pytest.mark.parametrize("kept", [False, True])
 def test_threads_that_meet_a_program_at_once_compile_it_once(tmp_path, kept):
   fn, traces = _counted()

@@ -14,13 +14,14 @@ import sys
 import threading
 import time
 
+import flax
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from tests.conftest import DATA, ROOT
-from transformer_jax import checkpoint, train_lib, trainer
+from transformer_jax import checkpoint, sharding, train_lib, trainer
 from transformer_jax.average import state_of
 from transformer_jax.workdir import Workdir, WorkdirError
 from transformer_jax.translator import Translator
@@ -341,3 +342,43 @@ def test_fingerprints_are_the_same_in_numpy_as_on_the_device():
   changed = dict(tree, float32=tree["float32"].at[123, 4].add(1e-3))
   at = sorted(tree).index("float32")  # Leaves in the order of their keys.
   assert (checkpoint.fingerprints(changed)[at] != host[at]).all()
+
+
+@flax.struct.dataclass
+class _State:
+  """A training state's fields as the checkpoint names them (`.params`, `.step`)."""
+  params: dict
+  step: np.ndarray
+
+
+@pytest.mark.quick
+def test_parameters_of_another_model_are_named_after_the_restore_that_found_them(tmp_path,
+                                                                               monkeypatch):
+  """Restoring only the parameters reads the checkpoint's metadata (every array's, the slow
+  part of a restore) only where the arrays read back are not the model's: then the error names
+  the array that differs, as a check before reading would."""
+  ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", 1, 1)
+  params = {"a": np.arange(32, dtype=np.float32).reshape(4, 8), "b": np.ones(3, np.float32)}
+  ckpt.save(1, _State(params=params, step=np.int32(1)), {"batch": 0}, force=True)
+  ckpt.close()
+  reader = checkpoint.Checkpointer(tmp_path / "checkpoints", 1, 1, read_only=True)
+  mesh = sharding.make_mesh((-1, 1, 1))
+  like = lambda **shapes: {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in shapes.items()}
+
+  metadata_read = []
+  read_metadata = reader._stored_shapes
+  monkeypatch.setattr(reader, "_stored_shapes",
+                      lambda step: metadata_read.append(step) or read_metadata(step))
+  got = reader.restore_params(1, like(a=(4, 8), b=(3,)), mesh)
+  assert jax.tree.map(np.asarray, got).keys() == params.keys()
+  assert all(np.array_equal(got[k], params[k]) for k in params)
+  assert metadata_read == []  # The arrays were the model's: no metadata read.
+
+  for model, message in [(like(a=(4, 16), b=(3,)), "params.a is (4, 8) there, (4, 16) in"),
+                         (like(a=(4, 8)), "params.b is there, not in the model"),
+                         (like(a=(4, 8), b=(3,), c=(2,)), "params.c is missing there")]:
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=re.escape(message)):
+      reader.restore_params(1, model, mesh)
+  assert metadata_read == [1, 1, 1]
+  reader.close()
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]

@@ -122,6 +122,22 @@ def fingerprint_dict(tree, prefix: str = "") -> dict[str, list[int]]:
   return {p: [int(v) for v in np.asarray(f)] for p, f in zip(paths, fingerprints(tree))}
 
 
+def _restored_as_saved(restored, target, saved: dict, prefix: str) -> bool:
+  """Whether a partial restore gave the arrays `target` asks for: a checkpoint's metadata
+  takes longer to read than its parameters (orbax reads every array's), so a restore is
+  checked by what it gave and by the names of the fingerprints saved with it, and the
+  metadata is read only to say what differs. orbax restores an array in its stored shape,
+  and leaves a name it does not hold unrestored."""
+  got = jax.tree.leaves(restored)
+  wanted = jax.tree.leaves(target)
+  if len(got) != len(wanted) or any(
+      not isinstance(g, jax.Array) or g.shape != w.shape for g, w in zip(got, wanted)):
+    return False
+  names = {prefix + jax.tree_util.keystr(p)
+           for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+  return names == {k for k in saved if k.startswith(prefix + "[")}
+
+
 def _leaf_name(path) -> str:
   """A pytree path as orbax names the array: "opt_state.1.0.mu.src_embed.embedding"."""
   parts = []
@@ -261,13 +277,26 @@ class Checkpointer:
     target = {key: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         nn.meta.unbox(boxed_params_like), shardings)}
-    self.check_fits(step, target)
-    self.check_tokenizer(step)
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)))
-    self.verify(step, restored.state[key], prefix="." + key)
-    return restored.state[key]
+    saved = self._saved_fingerprints(step)
+    if saved is None:  # Nothing to compare the names with: the checkpoint's metadata, first.
+      self.check_fits(step, target)
+    try:
+      self.check_tokenizer(step)
+    except CheckpointMismatchError:
+      self.check_fits(step, target)  # Another vocabulary: the arrays say which.
+      raise
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(
+              item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+              partial_restore=True))).state[key]
+    except Exception:
+      self.check_fits(step, target)  # Another model's arrays may fail to read: say so.
+      raise
+    if saved is not None and not _restored_as_saved(restored, target[key], saved, "." + key):
+      self.check_fits(step, target)  # Raises, naming what differs.
+    self.verify(step, restored, prefix="." + key, saved=saved)
+    return restored
 
   def check_fits(self, step: int, target) -> None:
     """Raises CheckpointMismatchError where the arrays of `target` (the state, or a part of it
@@ -310,15 +339,20 @@ class Checkpointer:
     return {_leaf_name(p): tuple(m.shape)
             for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-  def verify(self, step: int, tree, prefix: str = "") -> None:
+  def _saved_fingerprints(self, step: int) -> dict[str, list[int]] | None:
+    """The fingerprints saved with a checkpoint; None for one written before they existed."""
+    if not (self.directory / str(step) / "fingerprints").exists():
+      return None
+    return self.manager.restore(step, args=ocp.args.Composite(
+        fingerprints=ocp.args.JsonRestore())).fingerprints
+
+  def verify(self, step: int, tree, prefix: str = "", saved: dict | None = None) -> None:
     """Raises ValueError where `tree`'s arrays (the state, or its part at `prefix`) differ from
-    the fingerprints saved with them."""
-    path = self.directory / str(step) / "fingerprints"
-    if not path.exists():  # Written before fingerprints existed: nothing to check against.
+    the fingerprints saved with them (`saved`: those, where already read)."""
+    saved = saved or self._saved_fingerprints(step)
+    if saved is None:  # Written before fingerprints existed: nothing to check against.
       logging.warning("The checkpoint of step %d has no fingerprints: not verified", step)
       return
-    saved = self.manager.restore(step, args=ocp.args.Composite(
-        fingerprints=ocp.args.JsonRestore())).fingerprints
     got = fingerprint_dict(tree, prefix)  # A part of the state: its paths carry `prefix`.
     bad = [k for k, v in got.items() if saved.get(k) != v]
     if bad:

@@ -36,7 +36,7 @@ import platform
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -153,6 +153,27 @@ class ProgramStore:
         fs.replace_file(path, text.encode())
     except OSError as e:  # Keeping it is an optimization, never a failure.
       logging.warning("could not keep the list of programs used in %s (%s)", path, e)
+
+  def value(self, name: str, describe: str, compute: Callable[[], Any]) -> Any:
+    """What `compute()` returns, kept (pickled) under `name` and `describe` for this build, like
+    a program: for what costs a command's start more to compute than to read back, such as a
+    model's abstract parameters (tracing its init). No directory: computed each time."""
+    if self.directory is None:
+      return compute()
+    key = hashlib.sha256("\0".join((_build_key(), name, describe)).encode())
+    path = self.directory / f"{name}-{key.hexdigest()[:40]}.pickle"
+    if path.exists():
+      try:
+        return pickle.loads(path.read_bytes())
+      except Exception as e:  # noqa: BLE001 -- a damaged entry is computed again.
+        logging.warning("computing %s again: %s did not load (%s)", name, path, e)
+    value = compute()
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      fs.replace_file(path, pickle.dumps(value))
+    except (OSError, TypeError, pickle.PicklingError) as e:  # An optimization, never a failure.
+      logging.warning("could not keep %s in %s (%s)", name, self.directory, e)
+    return value
 
   def jit(self, name: str, describe: str, fn: Callable, **jit_args) -> Callable:
     """jax.jit(fn, **jit_args), its programs kept under `name` and `describe`: a description of

@@ -57,7 +57,8 @@ class Translator:
       if tokenizers and not Workdir(path).tokenizers().same_as(tokenizers[0]):
         raise InferenceError(f"{path} has another vocabulary than {workdirs[0]}: an ensemble "
                              "needs the same tokenizer in every workdir")
-      config, tok, model, member_step, member_params, uses_ema = _restore(path, step, ema)
+      config, tok, model, member_step, member_params, uses_ema = _restore(path, step, ema,
+                                                                          programs)
       if not models:
         self.config, self.tokenizers, self.uses_ema = config, tok, uses_ema
       models.append(model)
@@ -198,15 +199,17 @@ class Translator:
              for j in range(n)] for i in range(len(sentences))]
 
 
-def _restore(workdir, step: int | None, ema: bool):
+def _restore(workdir, step: int | None, ema: bool, programs: ProgramStore):
   """(config, tokenizers, model, step, params, uses_ema) of one workdir: its parameters (not
-  the optimizer state) onto this machine's devices."""
+  the optimizer state) onto this machine's devices (the model's abstract parameters kept in
+  `programs`)."""
   run = Workdir(workdir)
   run.check_family("encoder_decoder", "translate")
   config, tokenizers, model = run.open()
   uses_ema = ema and config.step.ema_decay > 0
   key = "ema_params" if uses_ema else "params"
-  step, params = run.read_params(model, sharding.make_mesh((-1, 1, 1)), key, step)
+  step, params = run.read_params(model, sharding.make_mesh((-1, 1, 1)), key, step,
+                                 programs)
   logging.info("Restored step %d from %s (%s)", step, run.checkpoints,
                "the parameters' moving average" if uses_ema else "the parameters")
   return config, tokenizers, model, step, params, uses_ema

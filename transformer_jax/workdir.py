@@ -27,6 +27,7 @@ from transformer_jax import checkpoint, config as config_lib, errors, sections
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.errors import UserError
 from transformer_jax.model import LanguageModel, Transformer
+from transformer_jax.programs import ProgramStore
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -178,14 +179,20 @@ class Workdir:
                                    tokenizer_digest=tokenizers and tokenizers.digest())
 
   def read_params(self, model: Transformer | LanguageModel, mesh, key: str = "params",
-                  step: int | None = None) -> tuple[int, object]:
+                  step: int | None = None,
+                  programs: ProgramStore = ProgramStore(None)) -> tuple[int, object]:
     """(step, parameters) of a checkpoint, sharded over `mesh` by their logical names: `step`'s,
-    or the newest that reads back and verifies. `key`: "params" or "ema_params"."""
-    dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-    inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
-    # Still boxed: the checkpointer turns the logical names into shardings. The key is made
-    # inside, so that nothing here runs (each op run eagerly is a program to compile or load).
-    abstract = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
+    or the newest that reads back and verifies. `key`: "params" or "ema_params". `programs`:
+    where the model's abstract parameters are kept for later commands (tracing its init takes
+    about 0.5 s on a CPU)."""
+    def abstract_params():
+      dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+      inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
+      # Still boxed: the checkpointer turns the logical names into shardings. The key is made
+      # inside, so that nothing here runs (each op run eagerly is a program to compile or load).
+      return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
+    abstract = programs.value("abstract_params", repr((type(model).__name__, model.cfg)),
+                              abstract_params)
     ckpt = self.checkpointer(read_only=True)
     try:
       if step is None:
