@@ -126,8 +126,8 @@ def _restored_as_saved(restored, target, saved: dict, prefix: str) -> bool:
   """Whether a partial restore gave the arrays `target` asks for: a checkpoint's metadata
   takes longer to read than its parameters (orbax reads every array's), so a restore is
   checked by what it gave and by the names of the fingerprints saved with it, and the
-  metadata is read only to say what differs. orbax restores an array in its stored shape,
-  and leaves a name it does not hold unrestored."""
+  metadata is read only to say what differs. orbax (0.12.8) restores an array in its stored
+  shape, whatever the target's, and leaves a name it does not hold unrestored."""
   got = jax.tree.leaves(restored)
   wanted = jax.tree.leaves(target)
   if len(got) != len(wanted) or any(
