@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+import flax
 import jax
 import numpy as np
 from absl import logging
@@ -48,17 +49,24 @@ from transformer_jax import fs
 
 @functools.cache
 def _build_key() -> str:
-  """What built a program: jax, jaxlib, the devices, the host CPU (an executable is compiled
-  for its instruction sets), XLA_FLAGS and this package's code."""
+  """What built a program: jax, jaxlib, flax (the modules a program and the kept abstract
+  parameters come from), the devices, the host CPU (an executable is compiled for its
+  instruction sets), XLA_FLAGS and this package's code."""
   digest = hashlib.sha256()
   device = jax.devices()[0]
-  for part in (jax.__version__, jax.lib.__version__, device.platform, device.device_kind,
+  for part in (jax.__version__, jax.lib.__version__, flax.__version__, device.platform,
+               device.device_kind,
                str(jax.device_count()), platform.machine(), _cpu_flags(),
                os.environ.get("XLA_FLAGS", "")):
     digest.update(part.encode() + b"\0")
   for path in sorted(Path(__file__).parent.rglob("*.py")):
     digest.update(path.read_bytes())
   return digest.hexdigest()
+
+
+def _key(*parts: str) -> str:
+  """A file name's key for what this build made of `parts` (a program's name, description...)."""
+  return hashlib.sha256("\0".join((_build_key(), *parts)).encode()).hexdigest()[:40]
 
 
 def _cpu_flags() -> str:
@@ -103,8 +111,7 @@ class ProgramStore:
 
   def _list_path(self, settings: str) -> Path:
     """Where `remember` keeps the programs of a command of `settings` (and of this build)."""
-    key = hashlib.sha256("\0".join((_build_key(), settings)).encode()).hexdigest()[:40]
-    return self.directory / f"used-{key}.json"
+    return self.directory / f"used-{_key(settings)}.json"
 
   def preload(self, settings: str) -> threading.Thread | None:
     """Starts loading, in a daemon thread (returned), the kept programs the last command of
@@ -160,8 +167,7 @@ class ProgramStore:
     model's abstract parameters (tracing its init). No directory: computed each time."""
     if self.directory is None:
       return compute()
-    key = hashlib.sha256("\0".join((_build_key(), name, describe)).encode())
-    path = self.directory / f"{name}-{key.hexdigest()[:40]}.pickle"
+    path = self.directory / f"{name}-{_key(name, describe)}.pickle"
     if path.exists():
       try:
         return pickle.loads(path.read_bytes())
@@ -215,8 +221,7 @@ class ProgramStore:
       with self._taken_lock:
         self.compiled += 1
       return compiled
-    key = hashlib.sha256("\0".join((_build_key(), name, describe, repr(signature))).encode())
-    path = self.directory / f"{name}-{key.hexdigest()[:40]}.executable"
+    path = self.directory / f"{name}-{_key(name, describe, repr(signature))}.executable"
     with self._taken_lock:
       self._used.setdefault(path.name)
       taken = self._taken.get(path)
