@@ -13,13 +13,13 @@ import jax
 import ml_collections
 
 from transformer_jax import config as config_lib, embedding, sharding
+from transformer_jax.data.catalog import DATASETS
 from transformer_jax.model import LanguageModel, Transformer, TransformerConfig, attention_impl
 
 
 def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_lib.Config:
   """config.parse, and the dataset's name against the registered builders."""
   cfg = config_lib.parse(config)
-  from transformer_jax.data.sources import DATASETS  # tfds loads here, not on import.
   config_lib.check(cfg.data.dataset in DATASETS, f"data.dataset={cfg.data.dataset!r} is "
                    f"unknown; choose one of {sorted(DATASETS)}")
   documents = DATASETS[cfg.data.dataset].documents

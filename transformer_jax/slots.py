@@ -212,7 +212,6 @@ class SlotDecoder:
     self._runs = {rows: jit(f"slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
                             donate_argnums=1) for rows in self.run_sizes}
     self._feed = jit("slots_feed", fn=self._feed_fn, donate_argnums=1)
-    self._results = jit("slots_results", fn=self._results_fn)
     self.steps_run = 0  # Decoder steps its streams ran so far,
     self.rows_stepped = 0  # and the decoder rows those steps computed (run size x beam size).
     self._count_lock = threading.Lock()
@@ -232,8 +231,8 @@ class SlotDecoder:
       self.rows_stepped += int(steps) * rows * self.k
 
   def compile(self, encode_widths: Sequence[int] = ()) -> None:
-    """Compiles (or loads), without running them, the programs of every run size, `feed`,
-    `compact` and `results` and, given `encode_widths`, the encoder's (batches of every
+    """Compiles (or loads), without running them, the programs of every run size, `feed` and
+    `compact` and, given `encode_widths`, the encoder's (batches of every
     encoder size at each of those source widths) and `refill`'s: so that no search waits
     for one (a first translate command's, for later commands; a server's before it is
     ready)."""
@@ -247,7 +246,6 @@ class SlotDecoder:
     queue = shape(u), shape(u), shape(u, dtype=np.float32)
     self._feed.compile(self.params, state, batch(u), queue, shape(), shape(), shape(), shape())
     self._compact.compile(state, shape(u))
-    self._results.compile(state)
     if not encode_widths:
       return
     for rows in self.encode_sizes:
@@ -339,14 +337,19 @@ class SlotDecoder:
   def _run_fn(self, params, state, min_free, max_steps, rows: int):
     """Steps every active search until at least `min_free` slots are free or finished, until
     no search runs, or for `max_steps` steps: (state, the searches finished [U], the steps
-    run). Only the first `rows` slots are stepped: every active search must be among them."""
+    run, `_results_fn` of the first `rows` slots: (tokens [rows, K, L], scores [rows, K]),
+    the finished searches' results). Only the first `rows` slots are stepped: every active
+    search must be among them. The results come with the run, not from a program of their
+    own: a server's short runs would pay a second call for each search that ends."""
     if rows == self.slots:
-      return self._loop(params, state, min_free, max_steps)
+      state, finished, steps = self._loop(params, state, min_free, max_steps)
+      return state, finished, steps, self._results_fn(state)
     part, finished, steps = self._loop(params, self._prefix(state, rows),
                                        min_free - (self.slots - rows), max_steps)
     put = lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, axis=0)
     state = jax.tree.map(put, state, part)
-    return state, jnp.zeros((self.slots,), bool).at[:rows].set(finished), steps
+    return (state, jnp.zeros((self.slots,), bool).at[:rows].set(finished), steps,
+            self._results_fn(part))
 
   def _loop(self, params, state, min_free, max_steps):
     """`_run_fn` over every slot of `state` (all of the decoder's, or its first ones)."""
@@ -635,13 +638,13 @@ class SlotStream:
     smaller = [size for size in d.run_sizes if size < rows]
     if smaller:  # Back once the searches still running fit the next smaller size.
       min_free = min(min_free, d.slots - smaller[-1])
-    self._state, finished, steps = d._runs[rows](d.params, self._state, np.int32(min_free),
-                                                 np.int32(max_steps or d.max_len))
+    self._state, finished, steps, results = d._runs[rows](
+        d.params, self._state, np.int32(min_free), np.int32(max_steps or d.max_len))
     d._count(steps, rows)
     finished = np.asarray(finished) & self._active
     if not finished.any():
       return []
-    tokens, scores = map(np.asarray, d._results(self._state))
+    tokens, scores = map(np.asarray, results)
     self._active &= ~finished
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
 

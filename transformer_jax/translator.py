@@ -20,6 +20,7 @@ import tqdm
 from absl import logging
 
 from transformer_jax import decode, errors, sentences, sharding, slots
+from transformer_jax.data.catalog import DATASETS
 from transformer_jax.generation import (SPECIALS, DecodeOptions, InferenceError, encode_sources,
                                         scored, slot_model, strip)
 from transformer_jax.programs import ProgramStore
@@ -94,7 +95,6 @@ class Translator:
   @property
   def src_lang(self) -> str:
     """The source language's code (e.g. "en"), from the dataset the model was trained on."""
-    from transformer_jax.data.sources import DATASETS  # tfds: imported only when asked.
     return DATASETS[self.config.data.dataset].src_lang
 
   @functools.partial(jax.jit, static_argnums=(0, 3, 4, 7))

@@ -65,7 +65,7 @@ if args.slots:
     global state
     state = decoder._refill(state, encoded, every, np.full(batch, width + 10, np.int32),
                             every, np.full(batch, alpha, np.float32))
-    state, _, steps = program(decoder.params, state)
+    state, _, steps, _ = program(decoder.params, state)
     return int(steps)
 
   hlo = program.lower(decoder.params, state).compile().as_text()

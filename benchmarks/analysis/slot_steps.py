@@ -48,7 +48,7 @@ def _runs(translator, decoder, width: int, steps: int, repeats: int) -> list[flo
                             np.arange(n, dtype=np.int32), np.ones(n, np.float32))
     jax.block_until_ready(state)
     start = time.perf_counter()
-    state, _, ran = run(decoder.params, state, np.int32(n + 1), np.int32(steps))
+    state, _, ran, _ = run(decoder.params, state, np.int32(n + 1), np.int32(steps))
     assert int(ran) == steps
     seconds.append(time.perf_counter() - start)
   return seconds[1:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import os
@@ -11,33 +10,7 @@ from pathlib import Path
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import builders
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetSpec:
-  builder: type | None  # A builder of this package, or None for a tfds catalog name.
-  tfds_name: str  # Catalog name, with "/config" where the builder has configs.
-  src_lang: str
-  tgt_lang: str
-  documents: bool = False  # Monolingual documents (a language model's corpus), not pairs.
-
-
-DATASETS = {
-    "fra_eng": DatasetSpec(builders.FraEng, "fra_eng", "en", "fr"),
-    "multi30k_en_fr": DatasetSpec(builders.Multi30k, "multi30k/en-fr", "en", "fr"),
-    "multi30k_en_de": DatasetSpec(builders.Multi30k, "multi30k/en-de", "en", "de"),
-    # tfds's own WMT14 builders need the internet (and a large disk) to prepare.
-    "wmt14_en_de": DatasetSpec(None, "wmt14_translate/de-en", "en", "de"),
-    "wmt14_en_fr": DatasetSpec(None, "wmt14_translate/fr-en", "en", "fr"),
-    # A local corpus of train.tsv / validation.tsv (e.g. benchmarks/synthetic_corpus.py's).
-    "parallel_tsv": DatasetSpec(builders.ParallelTsv, "parallel_tsv", "src", "tgt"),
-    # Language models: documents held out whole (builders.document_splits).
-    "shakespeare": DatasetSpec(builders.TextDocuments, "text_documents/shakespeare", "en", "en",
-                               documents=True),
-    # A local corpus: a directory of *.txt (or *.lines.txt) files.
-    "text_documents": DatasetSpec(builders.TextDocuments, "text_documents/local", "", "",
-                                  documents=True),
-}
+from transformer_jax.data.catalog import DATASETS, DatasetSpec  # noqa: F401 -- this module's API.
 
 
 # Where each dataset is downloaded from when no data_dir is given (tfds's WMT builders name
@@ -107,7 +80,8 @@ def prepare(name: str, tfds_dir: str, data_dir: str | None, cache_dir: str = "")
     builder = tfds.builder(spec.tfds_name, data_dir=tfds_dir, file_format="array_record")
   else:
     config = spec.tfds_name.split("/")[1] if "/" in spec.tfds_name else None
-    builder = spec.builder(data_dir=tfds_dir, config=config, file_format="array_record")
+    builder = getattr(builders, spec.builder)(data_dir=tfds_dir, config=config,
+                                              file_format="array_record")
   if not data_dir and not builder.is_prepared():
     _check_reachable(name, DOWNLOAD_HOSTS.get(name))
   download_config = tfds.download.DownloadConfig(
