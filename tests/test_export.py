@@ -85,7 +85,8 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
   runner = tmp_path / "runner"
   runner.mkdir()
   (runner / "transformer_jax").mkdir()
-  shutil.copy(ROOT / "transformer_jax" / "exported.py", runner / "transformer_jax")
+  for name in ("__init__.py", "exported.py"):  # The package's __init__ imports nothing.
+    shutil.copy(ROOT / "transformer_jax" / name, runner / "transformer_jax")
   sentences = validation[:24]
   script = (
       "import json, sys\n"

@@ -232,10 +232,9 @@ class SlotDecoder:
 
   def compile(self, encode_widths: Sequence[int] = ()) -> None:
     """Compiles (or loads), without running them, the programs of every run size, `feed` and
-    `compact` and, given `encode_widths`, the encoder's (batches of every
-    encoder size at each of those source widths) and `refill`'s: so that no search waits
-    for one (a first translate command's, for later commands; a server's before it is
-    ready)."""
+    `compact` and, given `encode_widths`, the encoder's (batches of every encoder size at each
+    of those source widths) and `refill`'s: so that no search waits for one (a first translate
+    command's, for later commands; a server's before it is ready)."""
     state = self._empty(self.params)
     shape = lambda *dims, dtype=np.int32: jax.ShapeDtypeStruct(dims, dtype)
     u = self.slots

@@ -1,6 +1,7 @@
 """The datasets a config can name: what `data.dataset` may say and the languages of each,
-readable without tensorflow-datasets (which `translate` and `serve` never load: they read a
-workdir's dataset only for its source language). How a split is built and read: sources.py."""
+readable without tensorflow-datasets: `translate` loads tfds only to read a split (`--split`)
+and `serve` never; both ask a workdir's dataset for its source language. How a split is built
+and read: sources.py."""
 
 from __future__ import annotations
 
