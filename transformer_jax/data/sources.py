@@ -10,7 +10,7 @@ from pathlib import Path
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import builders
-from transformer_jax.data.catalog import DATASETS, DatasetSpec  # noqa: F401 -- this module's API.
+from transformer_jax.data.catalog import DATASETS
 
 
 # Where each dataset is downloaded from when no data_dir is given (tfds's WMT builders name
