@@ -109,18 +109,21 @@ def use_compilation_cache(workdir: str | Path, directory: str | None = None) -> 
 
 
 # glibc's mallopt parameters (malloc.h) and the values keep_freed_memory sets.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_KEPT = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2 << 30), (_M_TOP_PAD, 256 << 20))
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+_KEPT = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2 << 30), (_M_TOP_PAD, 256 << 20))
 
 
 def keep_freed_memory() -> bool:
   """Has glibc's malloc keep the memory a process frees for its next allocations instead of
-  giving it back to the system: blocks of up to 32 MB from the heap (the most glibc allows),
-  the heap trimmed only past 2 GB free, and grown 256 MB at a time. Decoding allocates and
-  frees arrays of a few MB at every call of its programs (an encoder batch's keys and values, a
-  step's temporaries), and each one given back was paged in again: a translate command of
-  the Tatoeba file took 0.7-0.9 million page faults, 0.5 million with this, and 0.5-0.8 s
-  less (docs/translating.md). Returns whether the settings took (False: not glibc)."""
+  giving it back to the system: every block from the heap, however large (no block mapped of
+  its own), the heap trimmed only past 2 GB free, and grown 256 MB at a time. Decoding
+  allocates and frees arrays of a few to tens of MB at every call of its programs (an encoder
+  batch's keys and values, a run's temporaries), and each one given back was paged in again:
+  a translate command of the Tatoeba file took 0.7-0.9 million page faults, 0.45-0.51 million with
+  blocks of up to 32 MB kept (glibc's largest mapping threshold), 0.37-0.39 million with every
+  block kept; a server's run of 16 of 32 beam-4 slots of 64-token sources took 10,442 faults
+  a call with the 32 MB threshold (docs/translating.md, docs/serving.md). Returns whether the
+  settings took (False: not glibc)."""
   if not sys.platform.startswith("linux"):
     return False
   try:

@@ -147,6 +147,7 @@ def main(argv):
     listening = _listen(FLAGS.host, FLAGS.port)
 
     config = Workdir(FLAGS.workdir[0]).load_config()
+    launch.keep_freed_memory()
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
     default_beam = config.decode.beam_size
     settings = Settings(

@@ -1,0 +1,112 @@
+"""What a run of fewer searches than slots costs beyond its steps: the run program of the first
+`rows` slots copies their state (caches and sources) out of the whole state and back, once a
+call. Times one call of `--steps` steps with A searches active, in a decoder of `--slots` slots
+(the run of the first A slots) and in one of exactly A slots (a run of the whole state), with
+the page faults each call took. The process keeps its freed memory as `translate` and `serve`
+do (launch.keep_freed_memory); `--glibc_defaults` leaves glibc's malloc as it is, which maps
+a block over 32 MB afresh at each allocation.
+
+  python benchmarks/analysis/run_prefix.py runs/fra_eng --beam_size 4 --width 16 --slots 32 \
+      --active 8,16 --steps 1,4 --json run_prefix.json
+
+The workdir's model and parameters; the sources are token ids drawn uniformly (`--width` - 1
+tokens and <eos>), each search's output limit `--width` + the decoding margin (a server's
+slots for that width class), filled again before each call. Medians of `--repeats` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.machine import cpu_model  # noqa: E402
+from transformer_jax import launch, slots  # noqa: E402
+from transformer_jax.generation import SPECIALS, DecodeOptions, slot_model  # noqa: E402
+from transformer_jax.translator import Translator  # noqa: E402
+
+
+def _calls(translator, decoder, active: int, steps: int, repeats: int):
+  """(seconds, minor page faults) of `repeats` run calls of `steps` steps, `active` searches in
+  the first slots (one more call first: its program's first)."""
+  n, width = decoder.slots, decoder.width
+  rng = np.random.default_rng(0)
+  src = rng.integers(4, translator.tokenizers.src.vocab_size, (n, width)).astype(np.int32)
+  src[:, -1] = SPECIALS.eos
+  encoded = decoder._encode(decoder.params, src)
+  state = decoder._empty(decoder.params)
+  run = decoder._runs[min(size for size in decoder.run_sizes if size >= active)]
+  take = np.where(np.arange(n) < active, np.arange(n), -1).astype(np.int32)
+  seconds, faults = [], []
+  for _ in range(repeats + 1):
+    state = decoder._refill(state, encoded, take, np.full(n, decoder.max_len, np.int32),
+                            np.arange(n, dtype=np.int32), np.ones(n, np.float32))
+    jax.block_until_ready(state)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    state, _, ran, _ = run(decoder.params, state, np.int32(n + 1), np.int32(steps))
+    jax.block_until_ready(state)
+    seconds.append(time.perf_counter() - start)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert int(ran) == steps, (int(ran), steps)
+  return seconds[1:], faults[1:]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("workdir")
+  parser.add_argument("--beam_size", type=int, default=4)
+  parser.add_argument("--width", type=int, default=16)
+  parser.add_argument("--slots", type=int, default=32)
+  parser.add_argument("--active", default="8,16", help="Active searches, comma-separated.")
+  parser.add_argument("--steps", default="1,4", help="Steps a call, comma-separated.")
+  parser.add_argument("--repeats", type=int, default=11)
+  parser.add_argument("--glibc_defaults", action="store_true",
+                      help="Leave glibc's malloc settings as they are.")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+  kept = False if args.glibc_defaults else launch.keep_freed_memory()
+
+  translator = Translator(args.workdir)
+  max_len = args.width + DecodeOptions().max_len_margin
+  decoders = {}
+
+  def decoder(count: int) -> slots.SlotDecoder:
+    if count not in decoders:
+      decoders[count] = slots.SlotDecoder(slot_model(translator.model), translator.params,
+                                          count, args.width, max_len, SPECIALS,
+                                          beam_size=args.beam_size)
+    return decoders[count]
+
+  rows = []
+  for active in map(int, args.active.split(",")):
+    for steps in map(int, args.steps.split(",")):
+      row = {"active": active, "steps": steps}
+      for name, count in (("prefix", args.slots), ("whole", active)):
+        seconds, faults = _calls(translator, decoder(count), active, steps, args.repeats)
+        row[f"{name}_ms"] = 1e3 * statistics.median(seconds)
+        row[f"{name}_faults"] = statistics.median(faults)
+        row[f"{name}_runs_ms"] = [round(1e3 * s, 2) for s in seconds]
+      rows.append(row)
+      print(f"{active:3d} searches, {steps} steps: in {args.slots} slots "
+            f"{row['prefix_ms']:7.2f} ms ({row['prefix_faults']:.0f} faults), in {active} "
+            f"slots {row['whole_ms']:7.2f} ms ({row['whole_faults']:.0f} faults)", flush=True)
+  header = {"cpu": cpu_model(), "jax": jax.__version__, "workdir": Path(args.workdir).name,
+            "beam_size": args.beam_size, "width": args.width, "max_len": max_len,
+            "slots": args.slots, "freed_memory_kept": kept, "date": time.strftime("%Y-%m-%d"), "command": sys.argv}
+  if args.json:
+    Path(args.json).write_text(json.dumps({**header, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+  main()
