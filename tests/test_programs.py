@@ -207,3 +207,45 @@ def test_preloading_skips_what_a_call_took_first_and_a_damaged_program(tmp_path,
   assert store.preloaded == 0  # add was loaded by its call, double did not load.
   np.testing.assert_array_equal(double(jnp.arange(4.0)), [0.0, 2.0, 4.0, 6.0])
   assert traces == [] and "compiling double again" in caplog.text
+
+
+def test_a_store_past_its_size_removes_its_least_recently_used_files(tmp_path, caplog):
+  """A write past `max_bytes` removes the store's files used least recently, down to three
+  quarters of it: never the files this process used or wrote, nor a file of another kind; a
+  program loaded counts as used then."""
+  import os  # noqa: PLC0415
+
+  fn, _ = _counted()
+  x = jnp.arange(3.0)
+  ProgramStore(tmp_path).jit("add", "v1", fn)({"sum": jnp.zeros(())}, x)
+  (program,) = tmp_path.glob("add-*.executable")
+  size = program.stat().st_size
+  assert size < 100_000  # The sizes below assume it.
+  # Six older programs of 100 KB (of earlier builds, say), the oldest first, and a file of the
+  # user's, older still.
+  old = [tmp_path / f"old{i}-0.executable" for i in range(6)]
+  for i, path in enumerate(old):
+    path.write_bytes(bytes(100_000))
+    os.utime(path, (1_000 + i, 1_000 + i))
+  notes = tmp_path / "notes.txt"
+  notes.write_bytes(bytes(500_000))
+  os.utime(notes, (0, 0))
+  os.utime(program, (0, 0))  # The oldest of the store's files, until loaded again.
+
+  # A later process: loads the program (now the most recent) and writes another past the size.
+  store = ProgramStore(tmp_path, max_bytes=size + 300_000)
+  store.jit("add", "v1", fn)({"sum": jnp.zeros(())}, x)
+  assert program.stat().st_mtime > 1_000 + 6
+  with caplog.at_level("INFO"):
+    store.jit("add", "v2", fn)({"sum": jnp.zeros(())}, x)  # A write: held size + 600 KB.
+  # Down to 3/4 of the size: the four oldest programs go, the two newer stay.
+  assert [path.exists() for path in old] == [False] * 4 + [True] * 2
+  assert program.exists() and len(list(tmp_path.glob("add-*.executable"))) == 2
+  assert notes.exists()
+  assert "removed 4 kept files used least recently" in caplog.text
+
+  # Another process, which used none of them: the least recently used go first, the program
+  # loaded above last of all.
+  os.utime(program)
+  removed = ProgramStore(tmp_path, max_bytes=150_000).prune()
+  assert program not in removed and old[4] in removed and notes.exists()

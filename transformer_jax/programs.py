@@ -18,6 +18,13 @@ first called. Loading one is C++ work outside Python's lock (on 2 cores, 40-120 
 the decoding slots' run programs), so it overlaps the restoring. A listed program the command
 does not call costs only its loading; one it calls that is not listed loads when called.
 
+A store holds at most `max_bytes` (MAX_BYTES, 2 GiB, by default): each build of the package
+keys a new set of programs, so the sets of earlier builds would pile up. Loading a program
+marks it used (its file's modification time), and a store that writes a file then removes
+the least recently used of its own files (programs, kept values, lists of programs used)
+until the directory holds at most three quarters of `max_bytes`: never a file this process
+used or wrote, nor any other file of the directory.
+
 A store compiles its programs around jax's persistent compilation cache, neither reading nor
 writing it: on a CPU (jax 0.10.2) an executable that the cache gave back serializes without
 some of its kernels, and the copy loaded from that fails to run ("Function ... not found").
@@ -45,6 +52,14 @@ from absl import logging
 from jax.experimental import serialize_executable
 
 from transformer_jax import fs
+
+
+# The most bytes a store's directory holds before its least recently used files go.
+MAX_BYTES = 2 << 30
+
+# What a store writes in its directory (and so may remove): programs, kept values, the lists
+# of programs used.
+_OWN_FILES = ("*.executable", "*.pickle", "used-*.json")
 
 
 @functools.cache
@@ -97,8 +112,13 @@ class ProgramStore:
   behind the same compile-once lock). Functions of one store whose programs have the same key
   share the program loaded."""
 
-  def __init__(self, directory: str | Path | None):
+  def __init__(self, directory: str | Path | None, max_bytes: int = MAX_BYTES):
     self.directory = Path(directory) if directory else None
+    self.max_bytes = max_bytes
+    self._mine: set[str] = set()  # Files this store used or wrote: never removed by it.
+    # What the store's files held at the last look (None: not looked yet), plus what this
+    # store wrote since: the directory is listed again only when that passes max_bytes.
+    self._held: int | None = None
     # Programs by file, for every function of this store: a Future of the program that
     # `preload`'s thread or the first call loading (or compiling) it gives (None in it where
     # that failed).
@@ -140,7 +160,7 @@ class ProgramStore:
         self._taken[path] = future = concurrent.futures.Future()
       program = None
       try:
-        program = _load(path)
+        program = self._loaded(path)
       except Exception:  # noqa: BLE001 -- the call that needs it loads (or compiles) it again.
         pass
       finally:
@@ -158,6 +178,9 @@ class ProgramStore:
     try:
       if not path.exists() or path.read_text() != text:
         fs.replace_file(path, text.encode())
+        self._wrote(path)
+      else:
+        self._mark_used(path)
     except OSError as e:  # Keeping it is an optimization, never a failure.
       logging.warning("could not keep the list of programs used in %s (%s)", path, e)
 
@@ -170,13 +193,16 @@ class ProgramStore:
     path = self.directory / f"{name}-{_key(name, describe)}.pickle"
     if path.exists():
       try:
-        return pickle.loads(path.read_bytes())
+        value = pickle.loads(path.read_bytes())
+        self._mark_used(path)
+        return value
       except Exception as e:  # noqa: BLE001 -- a damaged entry is computed again.
         logging.warning("computing %s again: %s did not load (%s)", name, path, e)
     value = compute()
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
       fs.replace_file(path, pickle.dumps(value))
+      self._wrote(path)
     except (OSError, TypeError, pickle.PicklingError) as e:  # An optimization, never a failure.
       logging.warning("could not keep %s in %s (%s)", name, self.directory, e)
     return value
@@ -243,7 +269,7 @@ class ProgramStore:
   def _load_or_compile(self, name: str, path: Path, fn: Callable, jit_args: dict, args):
     if path.exists():
       try:
-        return _load(path)
+        return self._loaded(path)
       except Exception as e:  # noqa: BLE001 -- a stale or damaged entry is compiled again.
         logging.warning("compiling %s again: its kept program %s did not load (%s)", name, path,
                         e)
@@ -253,10 +279,86 @@ class ProgramStore:
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
       fs.replace_file(path, pickle.dumps(serialize_executable.serialize(compiled)))
+      self._wrote(path)
     except (OSError, ValueError, TypeError, pickle.PicklingError) as e:
       # Keeping it is an optimization, never a failure.
       logging.warning("could not keep the compiled %s in %s (%s)", name, self.directory, e)
     return compiled
+
+  # --- the directory's size ----------------------------------------------------------------
+
+  def _loaded(self, path: Path):
+    """The program kept in `path`, marked used (raises where it does not load)."""
+    program = _load(path)
+    self._mark_used(path)
+    return program
+
+  def _mark_used(self, path: Path) -> None:
+    """`path` is this process's (never removed by this store) and used now: its modification
+    time, which the least recently used go by."""
+    with self._taken_lock:
+      self._mine.add(path.name)
+    try:
+      os.utime(path)
+    except OSError:  # Not ours to change (a directory shared read-only): it stays as it is.
+      pass
+
+  def _wrote(self, path: Path) -> None:
+    """After writing `path`: removes the least recently used files where the store holds too
+    much (`prune`; on a directory of 2,300 files its listing took 60-80 ms, so it is listed
+    once, then again only when what was written since may have passed max_bytes)."""
+    with self._taken_lock:
+      self._mine.add(path.name)
+      if self._held is not None:
+        try:
+          self._held += path.stat().st_size
+        except OSError:
+          pass
+        if self._held <= self.max_bytes:
+          return
+    self.prune()
+
+  def prune(self) -> list[Path]:
+    """Where the directory's files of this store's kinds (_OWN_FILES) hold more than
+    `max_bytes`, removes those used least recently, except this process's, until they hold at
+    most three quarters of it. Returns the files removed."""
+    if self.directory is None:
+      return []
+    files = []
+    for pattern in _OWN_FILES:
+      for path in self.directory.glob(pattern):
+        try:
+          info = path.stat()
+        except OSError:  # Removed meanwhile (another process pruning).
+          continue
+        files.append((info.st_mtime, path, info.st_size))
+    held = sum(size for _, _, size in files)
+    self._held = held
+    if held <= self.max_bytes:
+      return []
+    with self._taken_lock:
+      mine = set(self._mine)
+    removed = []
+    for _, path, size in sorted(files, key=lambda file: file[0]):  # Least recently used first.
+      if held <= self.max_bytes * 3 // 4:
+        break
+      if path.name in mine:
+        continue
+      try:
+        path.unlink()
+      except FileNotFoundError:  # Another process removed it first.
+        pass
+      except OSError as e:  # The store goes on without it; the next write tries again.
+        logging.warning("could not remove %s from the kept programs (%s)", path, e)
+        continue
+      removed.append(path)
+      held -= size
+    self._held = held
+    if removed:
+      logging.info("removed %d kept files used least recently from %s, which now holds %.0f MB "
+                   "(at most %.0f MB)", len(removed), self.directory, held / 2**20,
+                   self.max_bytes / 2**20)
+    return removed
 
 
 def _load(path: Path):
