@@ -1,6 +1,7 @@
 """Compiled programs kept on disk (programs.py): a later store runs them without tracing
 or compiling."""
 
+import os
 import threading
 
 import jax
@@ -213,8 +214,6 @@ def test_a_store_past_its_size_removes_its_least_recently_used_files(tmp_path, c
   """A write past `max_bytes` removes the store's files used least recently, down to three
   quarters of it: never the files this process used or wrote, nor a file of another kind; a
   program loaded counts as used then."""
-  import os  # noqa: PLC0415
-
   fn, _ = _counted()
   x = jnp.arange(3.0)
   ProgramStore(tmp_path).jit("add", "v1", fn)({"sum": jnp.zeros(())}, x)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
@@ -28,38 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
+from benchmarks.analysis.slot_steps import timed_runs  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 from transformer_jax import launch, slots  # noqa: E402
 from transformer_jax.generation import SPECIALS, DecodeOptions, slot_model  # noqa: E402
 from transformer_jax.translator import Translator  # noqa: E402
-
-
-def _calls(translator, decoder, active: int, steps: int, repeats: int):
-  """(seconds, minor page faults) of `repeats` run calls of `steps` steps, `active` searches in
-  the first slots (one more call first: its program's first)."""
-  n, width = decoder.slots, decoder.width
-  rng = np.random.default_rng(0)
-  src = rng.integers(4, translator.tokenizers.src.vocab_size, (n, width)).astype(np.int32)
-  src[:, -1] = SPECIALS.eos
-  encoded = decoder._encode(decoder.params, src)
-  state = decoder._empty(decoder.params)
-  run = decoder._runs[min(size for size in decoder.run_sizes if size >= active)]
-  take = np.where(np.arange(n) < active, np.arange(n), -1).astype(np.int32)
-  seconds, faults = [], []
-  for _ in range(repeats + 1):
-    state = decoder._refill(state, encoded, take, np.full(n, decoder.max_len, np.int32),
-                            np.arange(n, dtype=np.int32), np.ones(n, np.float32))
-    jax.block_until_ready(state)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    state, _, ran, _ = run(decoder.params, state, np.int32(n + 1), np.int32(steps))
-    jax.block_until_ready(state)
-    seconds.append(time.perf_counter() - start)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    assert int(ran) == steps, (int(ran), steps)
-  return seconds[1:], faults[1:]
 
 
 def main():
@@ -93,7 +66,9 @@ def main():
     for steps in map(int, args.steps.split(",")):
       row = {"active": active, "steps": steps}
       for name, count in (("prefix", args.slots), ("whole", active)):
-        seconds, faults = _calls(translator, decoder(count), active, steps, args.repeats)
+        faults: list[int] = []
+        seconds = timed_runs(translator, decoder(count), args.width, steps, args.repeats,
+                             active=active, faults=faults)
         row[f"{name}_ms"] = 1e3 * statistics.median(seconds)
         row[f"{name}_faults"] = statistics.median(faults)
         row[f"{name}_runs_ms"] = [round(1e3 * s, 2) for s in seconds]
@@ -103,7 +78,8 @@ def main():
             f"slots {row['whole_ms']:7.2f} ms ({row['whole_faults']:.0f} faults)", flush=True)
   header = {"cpu": cpu_model(), "jax": jax.__version__, "workdir": Path(args.workdir).name,
             "beam_size": args.beam_size, "width": args.width, "max_len": max_len,
-            "slots": args.slots, "freed_memory_kept": kept, "date": time.strftime("%Y-%m-%d"), "command": sys.argv}
+            "slots": args.slots, "freed_memory_kept": kept, "date": time.strftime("%Y-%m-%d"),
+            "command": sys.argv}
   if args.json:
     Path(args.json).write_text(json.dumps({**header, "rows": rows}, indent=2))
 

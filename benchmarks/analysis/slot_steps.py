@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import threading
@@ -32,25 +33,33 @@ from transformer_jax.generation import SPECIALS, slot_model  # noqa: E402
 from transformer_jax.translator import Translator  # noqa: E402
 
 
-def _runs(translator, decoder, width: int, steps: int, repeats: int) -> list[float]:
-  """Seconds of `repeats` runs of `steps` steps, every slot busy, in this thread."""
+def timed_runs(translator, decoder, width: int, steps: int, repeats: int,
+               active: int | None = None, faults: list | None = None) -> list[float]:
+  """Seconds of `repeats` runs of `steps` steps in this thread, the first `active` slots busy
+  (default: every slot), each run the smallest run size that holds them; one run more first
+  (its program's first call). `faults`: where given, each run's minor page faults go there."""
   n = decoder.slots
+  active = n if active is None else active
   rng = np.random.default_rng(0)
   src = rng.integers(4, translator.tokenizers.src.vocab_size, (n, width)).astype(np.int32)
   src[:, -1] = SPECIALS.eos
   encoded = decoder._encode(decoder.params, src)
   state = decoder._empty(decoder.params)
-  run = decoder._runs[n]
-  seconds = []
-  for _ in range(repeats + 1):  # The first run compiles.
-    state = decoder._refill(state, encoded, np.arange(n, dtype=np.int32),
-                            np.full(n, decoder.max_len, np.int32),
+  run = decoder._runs[min(size for size in decoder.run_sizes if size >= active)]
+  take = np.where(np.arange(n) < active, np.arange(n), -1).astype(np.int32)
+  seconds, faulted = [], []
+  for _ in range(repeats + 1):
+    state = decoder._refill(state, encoded, take, np.full(n, decoder.max_len, np.int32),
                             np.arange(n, dtype=np.int32), np.ones(n, np.float32))
     jax.block_until_ready(state)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     state, _, ran, _ = run(decoder.params, state, np.int32(n + 1), np.int32(steps))
-    assert int(ran) == steps
+    assert int(ran) == steps, (int(ran), steps)  # Waits for the run (and its state) to end.
     seconds.append(time.perf_counter() - start)
+    faulted.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+  if faults is not None:
+    faults.extend(faulted[1:])
   return seconds[1:]
 
 
@@ -74,10 +83,10 @@ def main():
                                 args.width, max_len, SPECIALS, beam_size=args.beam_size)
     for lanes in map(int, args.lanes.split(",")):
       times: list[list[float]] = [[] for _ in range(lanes)]
-      _runs(translator, decoder, args.width, args.steps, 1)  # Compiled before the lanes start.
+      timed_runs(translator, decoder, args.width, args.steps, 1)  # Compiled before the lanes start.
       start = time.perf_counter()
       threads = [threading.Thread(target=lambda i=i: times[i].extend(
-          _runs(translator, decoder, args.width, args.steps, args.repeats)))
+          timed_runs(translator, decoder, args.width, args.steps, args.repeats)))
                  for i in range(lanes)]
       for thread in threads:
         thread.start()
