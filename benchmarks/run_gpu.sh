@@ -26,6 +26,11 @@
 #         program_calls.py (a beam-4 command by program) and slot_steps.py (a step's cost by
 #         its rows). Reads $DATA (default data/: made by
 #         `python -m transformer_jax download --out data`, git-ignored; carry it along).
+# PART start: the main job trained on the GPU, then `translate` on the Tatoeba sources with
+#         beam 4 and greedy, each three times (an empty, then a filled compilation cache), timed
+#         whole; then a later beam-4 command under cProfile (start_costs.py; the profile goes to
+#         OUT_DIR); before them restore_paths.py, a process for each way of reading the
+#         parameters onto the GPU, alternated 3 times. Reads $DATA.
 # PART lm: the language-model tests on the GPU, then configs/lm_gpt2_small.py (12 layers,
 #         d_model 768, 64 x 1024 tokens, bf16) trained by train.py for 300 steps on the
 #         Shakespeare works in $DATA/shakespeare (a 16,384-piece tokenizer: the works hold too
@@ -35,7 +40,7 @@
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures.
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|lm|lm_peer]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|start|lm|lm_peer]}
 part=${2:-real}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -123,6 +128,32 @@ elif [ "$part" = decode ]; then
   step program_calls_beam4 120 $py benchmarks/analysis/program_calls.py translate \
       --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/program_calls.hyp" \
       --beam_size 4 --compilation_cache_dir "$out/translate_cache"
+elif [ "$part" = start ]; then
+  data=${DATA:-data}
+  tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  step train_fra_eng 400 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
+      --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
+  cp "$out/fra_eng/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
+  for round in 1 2 3; do  # One restore way a process, alternating.
+    for way in per_array via_host; do
+      step "restore_${way}_$round" 60 $py benchmarks/analysis/restore_paths.py "$out/fra_eng" \
+          --way $way --json "$out/restore_paths.jsonl"
+    done
+  done
+  for beam in 4 1; do
+    for run in first second third; do
+      step "translate_beam${beam}_$run" 200 bash -c "time $py -m transformer_jax translate \
+          --workdir $out/fra_eng --input $tatoeba.eng --reference $tatoeba.fra \
+          --output $out/tatoeba_beam$beam.hyp --beam_size $beam \
+          --compilation_cache_dir $out/translate_cache"
+    done
+  done
+  step start_costs_beam4 60 $py -m cProfile -o "$out/start_beam4.prof" \
+      benchmarks/analysis/start_costs.py translate --workdir "$out/fra_eng" \
+      --input "$tatoeba.eng" --output "$out/start_costs.hyp" --beam_size 4 \
+      --compilation_cache_dir "$out/translate_cache"
+  rm -rf "$out/fra_eng/checkpoints" "$out/fra_eng/jax_cache" "$out/tfds" "$out/translate_cache"
 elif [ "$part" = lm ]; then
   data=${DATA:-data}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv

@@ -373,6 +373,16 @@ def test_parameters_of_another_model_are_named_after_the_restore_that_found_them
   assert jax.tree.map(np.asarray, got).keys() == params.keys()
   assert all(np.array_equal(got[k], params[k]) for k in params)
   assert metadata_read == []  # The arrays were the model's: no metadata read.
+  # An accelerator's way: read into host memory and verified there, then put on the mesh.
+  put = []
+  device_put = jax.device_put
+  monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: (  # orbax puts arrays too.
+      isinstance(s, dict) and put.append(s)) or device_put(x, s, **kw))
+  via_host = reader.restore_params(1, like(a=(4, 8), b=(3,)), mesh, via_host=True)
+  assert [sorted(s) for s in put] == [["a", "b"]]  # The whole tree, in one call.
+  assert all(np.array_equal(via_host[k], params[k]) and via_host[k].sharding == put[0][k]
+             and via_host[k].sharding.mesh == mesh for k in params)
+  monkeypatch.setattr(jax, "device_put", device_put)
 
   for model, message in [(like(a=(4, 16), b=(3,)), "params.a is (4, 8) there, (4, 16) in"),
                          (like(a=(4, 8)), "params.b is there, not in the model"),

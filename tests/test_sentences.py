@@ -26,3 +26,23 @@ def test_only_lines_over_the_threshold_are_split_and_joined_back_in_order():
   translated = [p.upper() for p in pieces]
   assert sentences.join(translated, owners, len(lines)) == [
       "SHORT ONE. TWO.", "A LONG LINE. WITH THREE. SENTENCES!", "", "LAST. LINE."]
+
+
+def test_a_text_that_is_one_sentence_skips_pysbd_with_pysbd_s_answer(monkeypatch):
+  """Words joined by spaces, commas, quotes and dashes, closed by one mark, are one sentence
+  without asking pysbd; anything else (a stop inside, an ellipsis, a closing quote after the
+  stop, another script's mark) still goes to pysbd, whose answers are kept as they are."""
+  one = ["  According to Tom, the \u201cword\u201d is - well - fine.  ", "Is it l'heure, Marie?",
+         "Das ist gut!", "no mark at all"]
+  other = {"Wait... What now": ["Wait...", "What now"], 'He left."': ["He left.", '"'],
+           "Mr. Smith left": ["Mr. Smith left"], "One: two": ["One: two"],
+           "\u4f60\u597d\u3002\u518d\u89c1": ["\u4f60\u597d\u3002", "\u518d\u89c1"],
+           "Tom is ill... ": ["Tom is ill..", "."]}
+  asked = []
+  segment = sentences._segmenter("en").segment
+  monkeypatch.setattr(sentences, "_segmenter", lambda lang: type(
+      "Asked", (), {"segment": staticmethod(lambda t: asked.append(t) or segment(t))}))
+  assert [sentences.sentences(t, "en") for t in one] == [[t.strip()] for t in one]
+  assert asked == []
+  assert {t: sentences.sentences(t, "en") for t in other} == other
+  assert asked == list(other)

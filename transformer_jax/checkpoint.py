@@ -264,15 +264,28 @@ class Checkpointer:
     raise CheckpointDamagedError(f"every checkpoint in {self.directory} is damaged "
                                  f"(steps {sorted(steps)})")
 
-  def restore_params(self, step: int, boxed_params_like, mesh, key: str = "params"):
+  def restore_params(self, step: int, boxed_params_like, mesh, key: str = "params",
+                     via_host: bool | None = None):
     """Only the parameters of a checkpoint (no optimizer state), sharded over `mesh` by their
     logical axis names, verified against its fingerprints.
 
     Args:
       boxed_params_like: abstract parameters still boxed with logical axis names.
       key: "params", or "ema_params" for their moving average (where the run kept one).
+      via_host: read every array into this host's memory, verify it there and put the whole
+        tree onto `mesh` at once. Default: where `mesh` is one process's accelerators. On a GPU
+        that is faster in a new process than orbax placing each array as it reads it and
+        fingerprints traced for the device (benchmarks/analysis/restore_paths.py).
     """
     self._check_step(step)
+    devices = mesh.devices.flat
+    if via_host is None:
+      via_host = all(d.process_index == jax.process_index() and d.platform != "cpu"
+                     for d in devices)
+    if via_host:
+      host_mesh = sharding.make_mesh((1, 1, 1), jax.local_devices(backend="cpu")[:1])
+      params = self.restore_params(step, boxed_params_like, host_mesh, key, via_host=False)
+      return jax.device_put(params, sharding.logical_shardings(boxed_params_like, mesh))
     shardings = sharding.logical_shardings(boxed_params_like, mesh)
     target = {key: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
