@@ -38,7 +38,8 @@ def main():
   _, _, model = run.open()
   mesh = sharding.make_mesh((-1, 1, 1))
   dummy = jax.ShapeDtypeStruct((1, 2), jax.numpy.int32)
-  abstract = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, x), dummy)["params"]
+  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
+  abstract = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
   ckpt = run.checkpointer(read_only=True)
   step = ckpt.manager.latest_step()
   seconds = []
