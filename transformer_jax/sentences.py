@@ -26,9 +26,11 @@ def _segmenter(lang: str) -> pysbd.Segmenter:
 
 # A text of words joined only by spaces, commas, quotes and dashes, and closed by at most one
 # full stop, question or exclamation mark, is one sentence: pysbd ends sentences only at other
-# characters (stops within the text, ellipses, colons, a script's own marks, line breaks, list
+# characters (stops within the text, ellipses, a script's own marks, line breaks, list
 # markers) or splits off quotes after the last stop. It takes pysbd about 1 ms a text to say
-# so, and most long sources of a file are such texts.
+# so, and most long sources of a file are such texts (849 of the Tatoeba test set's 1,092
+# over 16 tokens). Checked against pysbd's answers on 73,712 such texts of this project's
+# corpora (docs/translating.md).
 _ONE_SENTENCE = re.compile(
     r"[\w \t,'\"\u2018\u2019\u201c\u201d\u00ab\u00bb\u2013\u2014-]*\w[.!?]?")
 
