@@ -278,10 +278,9 @@ class Checkpointer:
         fingerprints traced for the device (benchmarks/analysis/restore_paths.py).
     """
     self._check_step(step)
-    devices = mesh.devices.flat
     if via_host is None:
       via_host = all(d.process_index == jax.process_index() and d.platform != "cpu"
-                     for d in devices)
+                     for d in mesh.devices.flat)
     if via_host:
       host_mesh = sharding.make_mesh((1, 1, 1), jax.local_devices(backend="cpu")[:1])
       params = self.restore_params(step, boxed_params_like, host_mesh, key, via_host=False)

@@ -185,14 +185,8 @@ class Workdir:
     or the newest that reads back and verifies. `key`: "params" or "ema_params". `programs`:
     where the model's abstract parameters are kept for later commands (tracing its init takes
     about 0.5 s on a CPU)."""
-    def abstract_params():
-      dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-      inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
-      # Still boxed: the checkpointer turns the logical names into shardings. The key is made
-      # inside, so that nothing here runs (each op run eagerly is a program to compile or load).
-      return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
     abstract = programs.value("abstract_params", repr((type(model).__name__, model.cfg)),
-                              abstract_params)
+                              lambda: abstract_params(model))
     ckpt = self.checkpointer(read_only=True)
     try:
       if step is None:
@@ -206,6 +200,16 @@ class Workdir:
     to.mkdir(parents=True, exist_ok=True)
     (to / CONFIG).write_bytes(self.config_file.read_bytes())
     tokenizers.save(to)
+
+
+def abstract_params(model: Transformer | LanguageModel):
+  """The model's parameters as shapes and dtypes, still boxed with their logical axis names
+  (the checkpointer turns those into shardings); nothing runs."""
+  dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
+  # The key is made inside, so that nothing here runs (each op run eagerly is a program to
+  # compile or load).
+  return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
 
 
 def check_same_model(saved: config_lib.Config, cfg: config_lib.Config) -> None:

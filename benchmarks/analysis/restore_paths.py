@@ -24,7 +24,7 @@ DEVICES = jax.devices()
 BACKEND_START = time.perf_counter() - START
 
 from transformer_jax import sharding  # noqa: E402
-from transformer_jax.workdir import Workdir  # noqa: E402
+from transformer_jax.workdir import Workdir, abstract_params  # noqa: E402
 
 
 def main():
@@ -37,9 +37,7 @@ def main():
   run = Workdir(args.workdir)
   _, _, model = run.open()
   mesh = sharding.make_mesh((-1, 1, 1))
-  dummy = jax.ShapeDtypeStruct((1, 2), jax.numpy.int32)
-  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
-  abstract = jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
+  abstract = abstract_params(model)
   ckpt = run.checkpointer(read_only=True)
   step = ckpt.manager.latest_step()
   seconds = []
