@@ -38,10 +38,25 @@
 # PART lm_peer: benchmarks/lm_vs_pytorch.py at that size: ours and the PyTorch peer trained
 #         120 s each on the same batches, step time, tokens/s and validation bits per character.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
-# next one still runs; the script's exit status is the number of failures.
+# next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
+# that a part would overwrite, 99: no wheels).
 set -uo pipefail
 out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|start|lm|lm_peer]}
 part=${2:-real}
+# The parts that train into OUT_DIR remove what they made there at the end (gigabytes of state
+# not worth bringing back): they refuse an OUT_DIR that already holds those paths.
+case $part in
+  start) made=(fra_eng tfds translate_cache) ;;
+  lm) made=(lm_gpt2_small tfds) ;;
+  lm_peer) made=(tfds) ;;
+  *) made=() ;;
+esac
+for name in "${made[@]}"; do
+  if [ -e "$out/$name" ]; then
+    echo "$out/$name exists: PART $part makes it and removes it at the end; pick a new OUT_DIR" >&2
+    exit 98
+  fi
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}

@@ -204,3 +204,17 @@ def test_train_step_defaults_to_packed_text_and_labels_the_random_control(tmp_pa
   bad = subprocess.run([sys.executable, "benchmarks/train_step.py", "--batches", "zipf"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and "--batches 'zipf': choose from packed, padded, random" in bad.stderr
+
+
+@pytest.mark.parametrize("part,existing", [("start", "fra_eng/checkpoints"), ("lm", "tfds")])
+def test_gpu_script_refuses_an_out_dir_whose_paths_a_part_would_remove(tmp_path, part, existing):
+  # The parts that train into OUT_DIR delete their checkpoints and data there at the end.
+  kept = tmp_path / existing / "kept.txt"
+  kept.parent.mkdir(parents=True)
+  kept.write_text("a user's file")
+  result = subprocess.run(["bash", "benchmarks/run_gpu.sh", str(tmp_path), part], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 98, result.stderr
+  assert f"{existing.split('/')[0]} exists: PART {part} makes it" in result.stderr
+  assert kept.read_text() == "a user's file"
+  assert sorted(p.name for p in tmp_path.iterdir()) == [existing.split("/")[0]]
