@@ -2,6 +2,7 @@
 scores for every sentence, with sentences of many lengths entering and leaving few slots."""
 
 import collections
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -562,3 +563,30 @@ def test_slot_programs_kept_beside_the_compilation_cache_run_here_and_in_a_later
   later = run("loaded")
   assert later.returncode == 0, later.stderr[-3000:]
   assert later.stdout == first.stdout and first.stdout.startswith("[[")
+
+
+def test_greedy_slots_without_scores_give_the_same_tokens_and_translate_skips_them(translator,
+                                                                                    sources):
+  """A greedy search's score costs a log-softmax over the vocabulary at every step: decoders
+  without scores give the same tokens, scores of 0, and translate's output (no n-best) uses
+  them."""
+  _, rows = _rows(translator, sources)
+  options = DecodeOptions(beam_size=1, alpha=0.6)
+  scored = translator.decode_slots(rows, options, num_slots=3)
+  unscored = translator.decode_slots(rows, dataclasses.replace(options, scores=False), 3)
+  for i, ((tokens, scores), (tokens_unscored, zeros)) in enumerate(zip(scored, unscored)):
+    np.testing.assert_array_equal(tokens_unscored, tokens, err_msg=str(i))
+    assert (zeros == 0).all()
+  assert any((scores != 0).any() for _, scores in scored)
+  decoders = translator._slot_decoders
+  assert {d.scores for d in decoders.values() if d.k == 1} == {True, False}
+  # Beam search ranks by its scores: a decoder of 2 beams computes them whatever is asked.
+  beams = translator.slot_decoder(DecodeOptions(beam_size=2, scores=False), 3)
+  assert beams.scores and beams is translator.slot_decoder(DecodeOptions(beam_size=2), 3)
+  lines = sources[:12]
+  batched = translate_lines(translator, lines, options, batch_size=8, progress=False,
+                            segment_over=None)
+  count = len(decoders)
+  assert translate_lines(translator, lines, options, batch_size=8, progress=False,
+                         segment_over=None, num_slots=3) == batched
+  assert len(decoders) == count  # The decoders without scores made above, used again.

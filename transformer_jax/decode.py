@@ -122,17 +122,20 @@ def sample_scored(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_
 
 
 def sample_step(tokens_to_logits: TokensToLogits, cache, last, done, logprob,
-                specials: Specials, sampler, keys):
+                specials: Specials, sampler, keys, scores: bool = True):
   """One step of greedy decoding or sampling for rows whose last tokens are `last` [B]: (cache,
   tokens [B], done [B], log-probabilities [B]). A row already `done` emits <pad> and keeps its
-  log-probability; a row that emits <eos> is done."""
+  log-probability; a row that emits <eos> is done. Without `scores` the log-probabilities are
+  left as they are: no log-softmax over the vocabulary (on a CPU, about 1 ms of a step of 128
+  rows and 8,000 tokens)."""
   logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
   token = sampler(logits, keys).astype(jnp.int32)
-  # The chosen token's log-probability, without writing the [B, V] log-softmax.
-  logits = logits.astype(jnp.float32)
-  logp = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
-          - jax.nn.logsumexp(logits, axis=-1))  # [B]
-  logprob = logprob + jnp.where(done, 0.0, logp)
+  if scores:
+    # The chosen token's log-probability, without writing the [B, V] log-softmax.
+    logits = logits.astype(jnp.float32)
+    logp = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+            - jax.nn.logsumexp(logits, axis=-1))  # [B]
+    logprob = logprob + jnp.where(done, 0.0, logp)
   token = jnp.where(done, specials.pad, token)
   return cache, token, done | (token == specials.eos), logprob
 

@@ -32,6 +32,10 @@ class DecodeOptions:
   max_len_margin: int = 10  # Decode up to source length + margin tokens ...
   max_len: int = 0  # ... or exactly this many, when positive.
   beam_stop: str = "first_k"  # When a beam search ends: decode.BEAM_STOPS.
+  # Whether decoding slots compute greedy outputs' scores (their log-probabilities, a
+  # log-softmax over the vocabulary at every step); without, the scores are 0. Beam search
+  # ranks its beams by them and always computes them.
+  scores: bool = True
 
 
 # The axis of positions in the model's self-attention caches ([rows, N, L, H], or [rows, layers,

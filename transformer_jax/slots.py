@@ -178,21 +178,25 @@ class SlotDecoder:
                specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
                sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
                programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
-               row_copy: str | None = None, encode_tokens: int | None = None):
+               row_copy: str | None = None, encode_tokens: int | None = None,
+               scores: bool = True):
     """`programs`: where the compiled programs are kept for a later process (default: not).
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
     the platform's, MIN_ROWS_FRACTION). `row_copy`: how moved beams' cache rows and new
     sources are copied into place (default: the platform's, decode.ROW_COPIES).
     `encode_tokens`: the source tokens the encoder computes at once (0: a batch whole;
-    default: the platform's, ENCODE_TOKENS)."""
+    default: the platform's, ENCODE_TOKENS). `scores`: whether greedy searches (and sampling)
+    compute their outputs' scores (DecodeOptions.scores; without, each score is 0); beam search
+    always does."""
     self.model, self.params, self.specials = model, params, specials
+    self.scores = scores or beam_size > 1
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng
     self.row_copy = row_copy or decode.row_copy(jax.default_backend())
     describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
-                     self.row_copy))
+                     self.row_copy, self.scores))
     jit = functools.partial(programs.jit, describe=describe)
     # The encoder's programs depend on the model, the width and the chunk size alone: decoders
     # of the same width share them (a server's beam sizes).
@@ -378,7 +382,7 @@ class SlotDecoder:
       keys = decode.row_keys(self.rng, state["items"], t)
       cache, token, done, logprob = decode.sample_step(
           step, state["cache"], state["last"], ~running, state["logprob"], self.specials,
-          self.sampler, keys)
+          self.sampler, keys, scores=self.scores)
       at = (jnp.arange(self.max_len)[None, :] == t[:, None]) & running[:, None]
       state.update(cache=cache, out=jnp.where(at, token[:, None], state["out"]),
                    last=jnp.where(running, token, state["last"]),

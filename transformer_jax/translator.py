@@ -142,7 +142,8 @@ class Translator:
     compile once (the same for any input and any length penalty)."""
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
-    key = (num_slots, width, max_len, options.beam_size, options.beam_stop,
+    scores = options.scores or options.beam_size > 1
+    key = (num_slots, width, max_len, options.beam_size, options.beam_stop, scores,
            self.min_rows_fraction, self.row_copy, self.encode_tokens)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
@@ -151,7 +152,7 @@ class Translator:
           slot_model(models, self.tokenizers.tgt.vocab_size), params, num_slots, width,
           max_len, SPECIALS, options.beam_size, beam_stop=options.beam_stop,
           programs=self.programs, min_rows_fraction=self.min_rows_fraction,
-          row_copy=self.row_copy, encode_tokens=self.encode_tokens)
+          row_copy=self.row_copy, encode_tokens=self.encode_tokens, scores=scores)
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
@@ -322,6 +323,9 @@ def _translate_in_slots(translator: Translator, lines: list[str],
   translation."""
   out = [empty] * len(lines)
   tgt = translator.tokenizers.tgt
+  if not n_best:  # Only the best output's text is given: greedy searches skip their scores.
+    groups = [(indices, dataclasses.replace(options, scores=False))
+              for indices, options in groups]
   with tqdm.tqdm(total=sum(1 for i, _ in enumerate(lines) if lines[i].strip()),
                  desc="translating", unit="sentence", disable=not progress) as bar:
     for indices, options in groups:
