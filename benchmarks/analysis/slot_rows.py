@@ -6,7 +6,7 @@ computes as one). Also times one pass with the programs kept in the workdir's ca
 second, warm pass, with the decoder steps the warm pass ran (on an accelerator, the pass's
 seconds a step say whether the steps are what it waits on). Usage:
   python benchmarks/analysis/slot_rows.py WORKDIR INPUT [--beam_size K] [--alpha A] [--slots N]
-      [--programs DIR] [--json FILE]
+      [--no_scores] [--programs DIR] [--json FILE]
 """
 
 import argparse
@@ -33,6 +33,8 @@ def main():
   parser.add_argument("--alpha", type=float, default=1.0)
   parser.add_argument("--slots", type=int, default=0,
                       help="slot count (default: translate's for this platform and beam size)")
+  parser.add_argument("--no_scores", action="store_true",
+                      help="greedy searches without their scores, as translate decodes a file")
   parser.add_argument("--programs", help="the kept programs (default WORKDIR/jax_cache/programs; "
                       "translate's are COMPILATION_CACHE_DIR/programs)")
   parser.add_argument("--json", help="also write the figures to this file")
@@ -43,7 +45,7 @@ def main():
            if line.strip()]
   src = encode_sources(translator.tokenizers.src, lines, translator.max_src_len)
   rows = [row[row != 0] for row in src]
-  options = DecodeOptions(beam_size=args.beam_size, alpha=args.alpha)
+  options = DecodeOptions(beam_size=args.beam_size, alpha=args.alpha, scores=not args.no_scores)
   count = args.slots or slots.default_slots(jax.default_backend(), args.beam_size)
   seconds = []
   for _ in range(2):
@@ -58,14 +60,16 @@ def main():
   for (tokens, _), ids in zip(results, rows):
     limit = -(-len(ids) // 8) * 8 + options.max_len_margin  # translate's output limit.
     needed += k * min(max(len(strip(t)) + 1 for t in tokens), limit) - (k - 1)
-  print(f"{Path(args.input).name}, {len(rows)} sources, beam {k}, {count} slots, "
+  print(f"{Path(args.input).name}, {len(rows)} sources, beam {k}"
+        f"{', no scores' if args.no_scores else ''}, {count} slots, "
         f"{translator.lanes} lanes: rows stepped {stepped:,}, needed {needed:,} "
         f"({stepped / needed:.3f}x); first pass {seconds[0]:.1f} s, warm pass {seconds[1]:.1f} s "
         f"({len(rows) / seconds[1]:.1f} sources/s), {steps:,} steps in the warm pass "
         f"({1000 * seconds[1] / steps:.2f} ms of the pass a step)")
   if args.json:
     figures = {"input": Path(args.input).name, "sources": len(rows), "beam_size": k,
-               "slots": count, "lanes": translator.lanes, "device": str(jax.devices()[0]),
+               "slots": count, "scores": options.scores, "lanes": translator.lanes,
+               "device": str(jax.devices()[0]),
                "rows_stepped": stepped, "rows_needed": needed, "first_pass_s": seconds[0],
                "warm_pass_s": seconds[1], "warm_sources_per_s": len(rows) / seconds[1],
                "warm_steps": steps}
