@@ -52,7 +52,7 @@ case $part in
   *) made=() ;;
 esac
 for name in "${made[@]}"; do
-  if [ -e "$out/$name" ]; then
+  if [ -e "$out/$name" ] || [ -L "$out/$name" ]; then
     echo "$out/$name exists: PART $part makes it and removes it at the end; pick a new OUT_DIR" >&2
     exit 98
   fi

@@ -164,6 +164,12 @@ def encode_in_chunks(encode: Callable, width: int, tokens: int, params, src: jax
   return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), parts)
 
 
+def computes_scores(beam_size: int, scores: bool) -> bool:
+  """Whether a slot decoder of `beam_size` computes its outputs' scores when asked for
+  `scores` (DecodeOptions.scores): beam search ranks its beams by them, so always."""
+  return scores or beam_size > 1
+
+
 def _where(mask: jax.Array, new, old):
   """Per leading index: `new`'s rows where `mask` [U], else `old`'s (pytrees alike)."""
   return jax.tree.map(lambda n, o: jnp.where(mask.reshape(-1, *[1] * (o.ndim - 1)), n, o),
@@ -189,7 +195,7 @@ class SlotDecoder:
     compute their outputs' scores (DecodeOptions.scores; without, each score is 0); beam search
     always does."""
     self.model, self.params, self.specials = model, params, specials
-    self.scores = scores or beam_size > 1
+    self.scores = computes_scores(beam_size, scores)
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng

@@ -142,7 +142,7 @@ class Translator:
     compile once (the same for any input and any length penalty)."""
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
-    scores = options.scores or options.beam_size > 1
+    scores = slots.computes_scores(options.beam_size, options.scores)
     key = (num_slots, width, max_len, options.beam_size, options.beam_stop, scores,
            self.min_rows_fraction, self.row_copy, self.encode_tokens)
     if key not in self._slot_decoders:

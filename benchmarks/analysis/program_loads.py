@@ -1,6 +1,7 @@
 """What loading each kept program costs: the programs a command used (a `used-*.json` list of a
 program store, in the order the command first called them), each read, unpickled and loaded
-(jax's deserialize_and_load) one after another in this process, timed by program name. Usage:
+(`programs._load`, as the store loads them) one after another in this process, timed by
+program name. Usage:
   python benchmarks/analysis/program_loads.py DIR/programs [--list used-KEY.json] [--json FILE]
 (DIR: a `translate` command's --compilation_cache_dir; default list: the store's only one.)
 """
@@ -8,13 +9,15 @@ program store, in the order the command first called them), each read, unpickled
 import argparse
 import collections
 import json
-import pickle
 import sys
 import time
 from pathlib import Path
 
-import jax
-from jax.experimental import serialize_executable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+
+from transformer_jax import programs  # noqa: E402
 
 
 def main():
@@ -32,13 +35,10 @@ def main():
   rows = []
   start = time.perf_counter()
   for name in names:
-    data = (store / name).read_bytes()
     t0 = time.perf_counter()
-    parts = pickle.loads(data)
-    t1 = time.perf_counter()
-    serialize_executable.deserialize_and_load(*parts)
-    rows.append({"program": name.split("-")[0], "kb": len(data) // 1024,
-                 "unpickle_ms": 1e3 * (t1 - t0), "load_ms": 1e3 * (time.perf_counter() - t1)})
+    programs._load(store / name)
+    rows.append({"program": name.split("-")[0], "kb": (store / name).stat().st_size // 1024,
+                 "load_ms": 1e3 * (time.perf_counter() - t0)})
   total = time.perf_counter() - start
   by_name = collections.defaultdict(list)
   for row in rows:
