@@ -137,8 +137,10 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
   kept = {path.name for path in (cache / "programs").glob("*.executable")}
   runs = {int(name.split("-")[0].rpartition("_")[2]) for name in kept
           if name.startswith("slots_run_")}
-  # The slots (as many as the sources ask for, at most the default), then every size below.
-  assert set(slots.run_sizes(max(runs), slots.default_min_rows_fraction("cpu"))) == runs
+  # The slots (as many as the sources ask for, at most the default), then every size below,
+  # quartered (a file's).
+  assert set(slots.run_sizes(max(runs), slots.default_min_rows_fraction("cpu"),
+                             slots.RUN_RATIO["file"])) == runs
   assert len(runs) >= 3, runs
   (abstract,) = (cache / "programs").glob("abstract_params-*.pickle")
   written = abstract.stat().st_ino  # A file written again is a new file (fs.replace_file).

@@ -425,12 +425,38 @@ def test_after_an_error_no_lane_starts_another_job():
 
 
 @pytest.mark.quick
-def test_run_sizes_halve_down_to_a_sixteenth_of_the_slots():
+def test_run_sizes_halve_or_quarter_down_to_a_sixteenth_of_the_slots():
   assert slots.run_sizes(128) == [8, 16, 32, 64, 128]
   assert slots.run_sizes(32) == [2, 4, 8, 16, 32]
   assert slots.run_sizes(3) == [1, 2, 3]
   assert slots.run_sizes(1) == [1]
   assert slots.run_sizes(128, fraction=1) == [128]  # An accelerator's: one size.
+  # A file's: quartered.
+  assert slots.run_sizes(128, ratio=slots.RUN_RATIO["file"]) == [8, 32, 128]
+  assert slots.run_sizes(32, ratio=4) == [2, 8, 32]
+  assert slots.run_sizes(40, ratio=4) == [3, 10, 40]
+  assert slots.run_sizes(3, ratio=4) == [1, 3]
+
+
+def test_a_files_slot_decoders_quarter_their_run_sizes_and_a_servers_halve_them(
+    translator, sources, monkeypatch):
+  """decode_slots (a file) decodes with decoders whose runs quarter; the server's
+  (slot_decoder's default) halve; each kind is made once per setting."""
+  _, rows = _rows(translator, sources)
+  options = DecodeOptions(beam_size=1, alpha=0.6)
+  files = []
+  decode_jobs = slots.decode_jobs
+
+  def spy(jobs, **kwargs):
+    files.extend(job.decoder for job in jobs)
+    return decode_jobs(jobs, **kwargs)
+
+  monkeypatch.setattr(slots, "decode_jobs", spy)
+  translator.decode_slots(rows, options, num_slots=3)
+  assert len(files) >= 2 and all(d.run_sizes == [1, 3] for d in files)  # A class or more.
+  server = translator.slot_decoder(options, 3, files[0].width)
+  assert server.run_sizes == [1, 2, 3] and all(server is not d for d in files)
+  assert translator.slot_decoder(options, 3, files[0].width, use="file") is files[0]
 
 
 @pytest.mark.quick

@@ -104,15 +104,27 @@ def default_min_rows_fraction(platform: str) -> int:
   return MIN_ROWS_FRACTION.get(platform, MIN_ROWS_FRACTION["cpu"])
 
 
-def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[int]:
+# How much smaller each run size is than the next (run_sizes), by use. A server's runs hold
+# what its traffic keeps running, for as long as it lasts: their sizes halve, to stay close to
+# it. A file's runs shrink only in a width class's tail, its last few sources, and every size
+# is a program more to load and a first call more: there they quarter (greedy, 128, 32 and 8
+# rows instead of 128, 64, 32, 16 and 8). On 2 cores of an AMD EPYC that made later commands on
+# the Tatoeba file faster, beam 4 in 3 pairs of 3, greedy in 6 of 8, and eighths gained nothing
+# more (docs/translating.md, "Fewer run sizes for a file").
+RUN_RATIO = {"file": 4, "server": 2}
+
+
+def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"],
+              ratio: int = RUN_RATIO["server"]) -> list[int]:
   """The active sizes (leading slots a run steps) of a decoder of `slots` slots, ascending:
-  `slots` halved down to `slots` / `fraction` (at least 1)."""
+  `slots` divided by `ratio` (rounded up) again and again, down to `slots` / `fraction` (at
+  least 1)."""
   sizes, size = [], slots
   while size >= max(1, slots // fraction):
     sizes.append(size)
     if size == 1:
       break
-    size = -(-size // 2)
+    size = -(-size // ratio)
   return sorted(set(sizes))
 
 
@@ -185,10 +197,11 @@ class SlotDecoder:
                sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
                programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
                row_copy: str | None = None, encode_tokens: int | None = None,
-               scores: bool = True):
+               scores: bool = True, run_ratio: int = RUN_RATIO["server"]):
     """`programs`: where the compiled programs are kept for a later process (default: not).
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
-    the platform's, MIN_ROWS_FRACTION). `row_copy`: how moved beams' cache rows and new
+    the platform's, MIN_ROWS_FRACTION), the sizes above it each `run_ratio` times the next
+    (RUN_RATIO). `row_copy`: how moved beams' cache rows and new
     sources are copied into place (default: the platform's, decode.ROW_COPIES).
     `encode_tokens`: the source tokens the encoder computes at once (0: a batch whole;
     default: the platform's, ENCODE_TOKENS). `scores`: whether greedy searches (and sampling)
@@ -214,7 +227,7 @@ class SlotDecoder:
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
     fraction = min_rows_fraction or default_min_rows_fraction(jax.default_backend())
-    self.run_sizes = run_sizes(slots, fraction)
+    self.run_sizes = run_sizes(slots, fraction, run_ratio)
     self.encode_sizes = encode_sizes(slots, fraction)
     # Source widths a batch is encoded in: multiples of 4 where steps cost their rows (a CPU),
     # of 8 on an accelerator (fewer programs to compile and load; its encoder barely notices).

@@ -135,16 +135,17 @@ class Translator:
     for decoder in self._slot_decoders.values():
       decoder.compile()
 
-  def slot_decoder(self, options: DecodeOptions, num_slots: int,
-                   width: int | None = None) -> slots.SlotDecoder:
+  def slot_decoder(self, options: DecodeOptions, num_slots: int, width: int | None = None,
+                   use: str = "server") -> slots.SlotDecoder:
     """The slot decoder of `num_slots` searches with `options`, for sources of up to `width`
-    tokens (default: the model's max_len, rounded up to 8): one per setting, so its programs
-    compile once (the same for any input and any length penalty)."""
+    tokens (default: the model's max_len, rounded up to 8), whose run sizes suit `use` ("file"
+    or "server": slots.RUN_RATIO): one per setting, so its programs compile once (the same for
+    any input and any length penalty)."""
     width = width or self.slot_widths[-1]
     max_len = options.max_len or width + options.max_len_margin
     scores = slots.computes_scores(options.beam_size, options.scores)
     key = (num_slots, width, max_len, options.beam_size, options.beam_stop, scores,
-           self.min_rows_fraction, self.row_copy, self.encode_tokens)
+           self.min_rows_fraction, slots.RUN_RATIO[use], self.row_copy, self.encode_tokens)
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
@@ -152,7 +153,8 @@ class Translator:
           slot_model(models, self.tokenizers.tgt.vocab_size), params, num_slots, width,
           max_len, SPECIALS, options.beam_size, beam_stop=options.beam_stop,
           programs=self.programs, min_rows_fraction=self.min_rows_fraction,
-          row_copy=self.row_copy, encode_tokens=self.encode_tokens, scores=scores)
+          row_copy=self.row_copy, encode_tokens=self.encode_tokens, scores=scores,
+          run_ratio=slots.RUN_RATIO[use])
     return self._slot_decoders[key]
 
   def decode_slots(self, sources: list[np.ndarray], options: DecodeOptions, num_slots: int,
@@ -171,7 +173,7 @@ class Translator:
       members.append([i for i, w in enumerate(width_of) if w == width])
       limits = [options.max_len or -(-len(sources[i]) // 8) * 8 + options.max_len_margin
                 for i in members[-1]]
-      jobs.append(slots.Job(self.slot_decoder(options, num_slots, width),
+      jobs.append(slots.Job(self.slot_decoder(options, num_slots, width, use="file"),
                             [sources[i] for i in members[-1]], limits, options.alpha))
     results: list = [None] * len(sources)
     for indices, out in zip(members, slots.decode_jobs(jobs, progress=progress,
