@@ -436,6 +436,8 @@ def test_run_sizes_halve_or_quarter_down_to_a_sixteenth_of_the_slots():
   assert slots.run_sizes(32, ratio=4) == [2, 8, 32]
   assert slots.run_sizes(40, ratio=4) == [3, 10, 40]
   assert slots.run_sizes(3, ratio=4) == [1, 3]
+  with pytest.raises(ValueError, match="at least 2"):
+    slots.run_sizes(8, ratio=1)
 
 
 def test_a_files_slot_decoders_quarter_their_run_sizes_and_a_servers_halve_them(

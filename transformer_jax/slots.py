@@ -118,7 +118,9 @@ def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"],
               ratio: int = RUN_RATIO["server"]) -> list[int]:
   """The active sizes (leading slots a run steps) of a decoder of `slots` slots, ascending:
   `slots` divided by `ratio` (rounded up) again and again, down to `slots` / `fraction` (at
-  least 1)."""
+  least 1). `ratio` is at least 2."""
+  if ratio < 2:
+    raise ValueError(f"run sizes shrink by a ratio of at least 2, got {ratio}")
   sizes, size = [], slots
   while size >= max(1, slots // fraction):
     sizes.append(size)
@@ -201,8 +203,8 @@ class SlotDecoder:
     """`programs`: where the compiled programs are kept for a later process (default: not).
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
     the platform's, MIN_ROWS_FRACTION), the sizes above it each `run_ratio` times the next
-    (RUN_RATIO). `row_copy`: how moved beams' cache rows and new
-    sources are copied into place (default: the platform's, decode.ROW_COPIES).
+    (RUN_RATIO). `row_copy`: how moved beams' cache rows and new sources are copied into
+    place (default: the platform's, decode.ROW_COPIES).
     `encode_tokens`: the source tokens the encoder computes at once (0: a batch whole;
     default: the platform's, ENCODE_TOKENS). `scores`: whether greedy searches (and sampling)
     compute their outputs' scores (DecodeOptions.scores; without, each score is 0); beam search
