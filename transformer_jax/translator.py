@@ -73,8 +73,9 @@ class Translator:
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     self._slot_decoders: dict[tuple, slots.SlotDecoder] = {}
     # The slot settings of decode_slots: streams of slots that decode a file at once, the
-    # decoders' width classes below the model's max_len, their smallest run size, the source
-    # tokens their encoder computes at once.
+    # decoders' width classes below the model's max_len, their smallest run size (the sizes
+    # above it quarter for a file: slots.RUN_RATIO), the source tokens their encoder computes
+    # at once.
     platform = platform or jax.default_backend()
     self.lanes = slots.default_lanes(platform)
     self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])

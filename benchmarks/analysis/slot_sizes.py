@@ -38,7 +38,7 @@ def main():
   options = DecodeOptions(beam_size=args.beam_size, alpha=args.alpha)
   for spec in args.specs:
     count, refill_at = map(int, spec.split(":"))
-    decoder = translator.slot_decoder(options, count, args.width)
+    decoder = translator.slot_decoder(options, count, args.width, use="file")  # translate's
     decoder.decode_all(rows, limits, args.alpha, refill_at=refill_at)
     start = time.perf_counter()
     decoder.decode_all(rows, limits, args.alpha, refill_at=refill_at)
