@@ -87,9 +87,13 @@ def moved_rows(args) -> None:
     running.update(mask=mask, t=state["t"])
     return step_all(self, params, state, mask)
 
-  decode._copy_parents, slots.SlotDecoder._step_all = counted_copy, noted_step
+  lines = read_lines(args.input)
   translator = Translator(args.workdir)
-  _, src = sources_of_width(translator, read_lines(args.input), args.width, args.sources)
+  _, src = sources_of_width(translator, lines, args.width, args.sources)
+  if not len(src):
+    sys.exit(f"{args.input} has no source whose tokens round up to {args.width} (a multiple "
+             "of 8)")
+  decode._copy_parents, slots.SlotDecoder._step_all = counted_copy, noted_step
   decoder = slots.SlotDecoder(slot_model(translator.model), translator.params, args.slots,
                               args.width, args.width + 10, SPECIALS, beam_size=4, alpha=1.0,
                               run_ratio=slots.RUN_RATIO["file"])
@@ -240,8 +244,9 @@ def dot_paths(args) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("probe", choices=["moved_rows", "row_copies", "constants", "attention",
-                                        "dot_paths"])
+  probes = {"moved_rows": moved_rows, "row_copies": row_copies, "constants": constants,
+            "attention": attention, "dot_paths": dot_paths}
+  parser.add_argument("probe", choices=list(probes))
   parser.add_argument("workdir", nargs="?", help="moved_rows, constants: the trained workdir.")
   parser.add_argument("input", nargs="?", help="moved_rows: a file of source sentences.")
   parser.add_argument("--width", type=int, default=16)
@@ -254,7 +259,7 @@ def main() -> None:
     parser.error(f"{args.probe} needs a workdir")
   if args.probe == "moved_rows" and not args.input:
     parser.error("moved_rows needs an input file")
-  globals()[args.probe](args)
+  probes[args.probe](args)
 
 
 if __name__ == "__main__":
