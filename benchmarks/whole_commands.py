@@ -13,6 +13,11 @@ the other: `translate` with an empty compilation cache (the first command on a m
 sentence splitting, as CTranslate2 does) with the same alpha (each engine's own length
 normalization) and 2 threads (CTranslate2's intra_threads; XLA's CPU pool on a 2-core
 machine). Reported: wall seconds, sentences/s and sacreBLEU of each.
+
+The commands run without PYTHONDONTWRITEBYTECODE, which some sandboxes set: on a user's
+machine Python keeps the bytecode of the modules a first command compiled, and a later
+command reads it (0.3 s of a later `translate`'s start on 2 cores where it compiled its
+package's sources anew at every run, docs/translating.md).
 """
 
 from __future__ import annotations
@@ -33,9 +38,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import cpu_model  # noqa: E402
 
 
+# Python's default: the commands keep their modules' bytecode.
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def _timed(argv: list[str]) -> float:
   start = time.perf_counter()
-  result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+  result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=ENV)
   if result.returncode != 0:
     raise SystemExit(f"{' '.join(argv)} failed:\n{result.stderr[-3000:]}")
   return time.perf_counter() - start
