@@ -98,7 +98,7 @@ def main():
                      "bleu": sacrebleu.corpus_bleu(outputs[name], [references]).score})
   header = (f"{cpu_model()}, {os.cpu_count()} cores; {len(references)} sources of "
             f"{Path(args.input).name}; {Path(args.workdir).name}; alpha {args.alpha}; translate "
-            f"--slots {args.slots}; {time.strftime('%Y-%m-%d')}")
+            f"--slots {args.slots}; bytecode kept between commands; {time.strftime('%Y-%m-%d')}")
   print(header)
   print(f"{'mode':<8} {'command':<12} {'wall s':>7} {'sent/s':>7} {'BLEU':>6} {'vs ct2':>7}")
   for r in rows:
