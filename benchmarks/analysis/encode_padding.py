@@ -5,7 +5,9 @@ each width class, taken a batch of `--slots` at a time (as a lane of `translate`
   python benchmarks/analysis/encode_padding.py runs/fra_eng TATOEBA.eng --slots 128,32
 
 Prints, per slot count and multiple, the padded tokens over the real ones and how many (class,
-width) pairs (encoder programs, before batch sizes) the file meets.
+width) pairs (encoder programs, before batch sizes) the file meets. With `--pack W`, also the
+tokens computed if each batch's sources were packed into rows of W tokens (first fit, longest
+first; W at least the widest class), several short sources a row, over the real ones.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main():
   parser.add_argument("input")
   parser.add_argument("--slots", default="128,32", help="Slot counts, comma-separated.")
   parser.add_argument("--multiples", default="8,4,2,1")
+  parser.add_argument("--pack", type=int, default=0, help="Also rows of this many tokens, packed.")
   args = parser.parse_args()
   workdir = Workdir(args.workdir)
   max_len = workdir.load_config().data.max_len
@@ -51,6 +54,26 @@ def main():
           programs.add((cls, width))
       print(f"slots {slots:4d}, multiple {multiple}: {padded / real:.3f}x the real tokens, "
             f"{len(programs)} (class, width) pairs")
+    if args.pack:
+      if args.pack < widths[-1]:
+        sys.exit(f"--pack {args.pack} is narrower than the widest class ({widths[-1]})")
+      rows = sum(len(_packed(members[start:start + slots], args.pack))
+                 for members in classes.values() for start in range(0, len(members), slots))
+      print(f"slots {slots:4d}, packed in rows of {args.pack}: {rows * args.pack / real:.3f}x "
+            "the real tokens")
+
+
+def _packed(lengths: list[int], width: int) -> list[int]:
+  """The tokens each row holds when `lengths` (longest first) go, each in turn, to the first
+  row of `width` tokens with room for it."""
+  rows: list[int] = []
+  for n in lengths:
+    row = next((r for r, held in enumerate(rows) if held + n <= width), None)
+    if row is None:
+      rows.append(n)
+    else:
+      rows[row] += n
+  return rows
 
 
 if __name__ == "__main__":
