@@ -38,6 +38,8 @@ def main():
              for ids in workdir.tokenizers().src.encode(read_lines(args.input))]
   full = -(-max_len // 8) * 8
   widths = [w for w in SLOT_WIDTHS["cpu"] if w < full] + [full]
+  if args.pack and args.pack < full:
+    sys.exit(f"--pack {args.pack} is narrower than the widest class ({full} tokens)")
   classes: dict[int, list[int]] = {}
   for n in sorted(lengths, reverse=True):
     classes.setdefault(next(w for w in widths if n <= w), []).append(n)
@@ -55,8 +57,6 @@ def main():
       print(f"slots {slots:4d}, multiple {multiple}: {padded / real:.3f}x the real tokens, "
             f"{len(programs)} (class, width) pairs")
     if args.pack:
-      if args.pack < widths[-1]:
-        sys.exit(f"--pack {args.pack} is narrower than the widest class ({widths[-1]})")
       rows = sum(len(_packed(members[start:start + slots], args.pack))
                  for members in classes.values() for start in range(0, len(members), slots))
       print(f"slots {slots:4d}, packed in rows of {args.pack}: {rows * args.pack / real:.3f}x "
