@@ -16,10 +16,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from transformer_jax.commands.translate import read_lines  # noqa: E402
+from transformer_jax.data import packing  # noqa: E402
 from transformer_jax.translator import SLOT_WIDTHS  # noqa: E402
 from transformer_jax.workdir import Workdir  # noqa: E402
 
@@ -57,24 +60,18 @@ def main():
       print(f"slots {slots:4d}, multiple {multiple}: {padded / real:.3f}x the real tokens, "
             f"{len(programs)} (class, width) pairs")
     if args.pack:
-      rows = sum(len(_packed(members[start:start + slots], args.pack))
+      rows = sum(_packed_rows(members[start:start + slots], args.pack)
                  for members in classes.values() for start in range(0, len(members), slots))
       print(f"slots {slots:4d}, packed in rows of {args.pack}: {rows * args.pack / real:.3f}x "
             "the real tokens")
 
 
-def _packed(lengths: list[int], width: int) -> list[int]:
-  """The tokens each row holds when `lengths` (longest first) go, each in turn, to the first
-  row of `width` tokens with room for it."""
-  rows: list[int] = []
-  for n in lengths:
-    row = next((r for r, held in enumerate(rows) if held + n <= width), None)
-    if row is None:
-      rows.append(n)
-    else:
-      rows[row] += n
-  return rows
-
+def _packed_rows(lengths: list[int], width: int) -> int:
+  """The rows of `width` tokens that `lengths` take when each goes, in turn, to the first row
+  with room for it (training's packer, with a row to spare for each)."""
+  n = len(lengths)
+  (plan,) = packing.first_fit(np.asarray(lengths), np.ones(n, np.int64), n, width)
+  return len(set(plan.row.tolist()))
 
 if __name__ == "__main__":
   main()
