@@ -532,10 +532,14 @@ class _Shared:
     params = self.output_proj.variables["params"]
     return params["kernel"].astype(dt), params["bias"].astype(dt)
 
+  def logits(self, y):
+    """Decoder features [B, T, D] -> logits [B, T, V] in the compute dtype (what the loss
+    reads: it upcasts them itself and keeps no float32 copy for the backward pass)."""
+    return nn.with_logical_constraint(self._logits(y), ("batch", "length", "vocab"))
+
   def project(self, y):
     """Decoder features [B, T, D] -> logits [B, T, V] (float32)."""
-    logits = nn.with_logical_constraint(self._logits(y), ("batch", "length", "vocab"))
-    return logits.astype(jnp.float32)
+    return self.logits(y).astype(jnp.float32)
 
   def init_cache(self, rows: int, max_len: int):
     """The decoding state of `rows` output rows for `max_len` steps: the index and preallocated

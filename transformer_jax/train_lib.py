@@ -114,22 +114,25 @@ def token_losses(logits: jax.Array, targets: jax.Array, label_smoothing: float):
 
 
 def _token_losses_fwd(logits, targets, label_smoothing):
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-  nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  smoothed = (1.0 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(axis=-1))
+  # The residual is the logits as given (bfloat16 in a bfloat16 model: half the bytes of a
+  # float32 copy); the backward pass upcasts them again, exactly, as here.
+  x = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(x, axis=-1)  # [B, T]
+  nll = lse - jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+  smoothed = (1.0 - label_smoothing) * nll + label_smoothing * (lse - x.mean(axis=-1))
   return (smoothed, nll), (logits, targets, lse)
 
 
 def _token_losses_bwd(label_smoothing, residuals, cotangents):
   logits, targets, lse = residuals
   g_smoothed, g_nll = cotangents  # [B, T] each
+  dtype, logits = logits.dtype, logits.astype(jnp.float32)
   probs = jnp.exp(logits - lse[..., None])
   on_target = jnp.arange(logits.shape[-1]) == targets[..., None]  # [B, T, V], fused away
   g_target = ((1.0 - label_smoothing) * g_smoothed + g_nll)[..., None]
   d_logits = ((g_smoothed + g_nll)[..., None] * probs - jnp.where(on_target, g_target, 0.0)
               - (label_smoothing / logits.shape[-1]) * g_smoothed[..., None])
-  return d_logits, None
+  return d_logits.astype(dtype), None
 
 
 token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
@@ -140,7 +143,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   """Sums of smoothed loss, plain negative log-likelihood and correct tokens over real tokens.
 
   Args:
-    logits: [B, T, V] float32. targets: [B, T] int. weights: [B, T], 0 on padding.
+    logits: [B, T, V] (any float dtype; the sums are float32). targets: [B, T] int.
+      weights: [B, T], 0 on padding.
   """
   smoothed, nll = token_losses(logits, targets, label_smoothing)
   weights = weights.astype(jnp.float32)
@@ -174,7 +178,8 @@ def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss
   [B, T, V] logits never whole; only `loss_sum` is differentiable then)."""
   targets, weights = batch["targets"], batch["targets_segment_ids"] > 0
   if loss_chunks == 1:
-    logits = _apply(apply_fn, params, batch, deterministic, rngs)
+    features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
+    logits = apply_fn({"params": params}, features, method="logits")  # Compute dtype.
     return cross_entropy(logits, targets, weights, label_smoothing)
   features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
   kernel, bias = apply_fn({"params": params}, method="output_weights")
