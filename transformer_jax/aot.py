@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformer_jax import fs
+from transformer_jax import fs, hlo as hlo_lib
 from transformer_jax.errors import UserError
 
 PLUGINS_ENV = "TRANSFORMER_JAX_AOT_PLUGINS"
@@ -46,7 +46,10 @@ DEFAULT_PLUGINS = Path.home() / ".cache" / "transformer_jax" / "aot-plugins"
 # load, or miscompiles).
 PINNED_PLUGINS = {
     "0.10.2": {"tpu": ["libtpu==0.0.42.1"],
-               "gpu": ["jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"]},
+               "gpu": ["jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"],
+               # cuDNN's library, which jax asks for its version while tracing its fused
+               # attention and XLA calls to build the kernel's graph (a 0.7 GB wheel: apart).
+               "cudnn": ["nvidia-cudnn-cu12==9.28.0.42"]},
 }
 
 GIB = 2 ** 30
@@ -121,6 +124,17 @@ def install_command(platform: str, directory: Path) -> str:
   packages = pins["tpu"] + pins["gpu"] if platform == "all" else pins[platform]
   return (f"{sys.executable} -m pip install --no-deps --target {directory} "
           + " ".join(packages))
+
+
+def cudnn_found() -> bool:
+  """Whether jax finds cuDNN's library (in the plugin directory or the environment): what
+  tracing and compiling its fused attention for a GPU target needs on this host."""
+  from jax._src.cudnn import fused_attention_stablehlo  # jax's own check, used while tracing.
+  try:
+    fused_attention_stablehlo.check_cudnn_version()
+  except RuntimeError:
+    return False
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,12 +363,12 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   model_cfg = sections.model_config(cfg.model, vocab, vocab, platform=target.platform,
                                     max_len=data.max_len)
   documents = model_cfg.family == "decoder_only"
-  if model_cfg.attention_impl == "cudnn" and target.platform == "gpu":
+  if model_cfg.attention_impl == "cudnn" and target.platform == "gpu" and not cudnn_found():
     raise AotError(
         f"cuDNN's fused attention (model.attention_impl={cfg.model.attention_impl!r}: "
-        f"{model_cfg.dtype} on a GPU) cannot be compiled without a GPU: jax reads the device's "
-        "compute capability while tracing it. Compile XLA's attention instead "
-        "(--config.model.attention_impl=xla), which keeps the attention scores in memory")
+        f"{model_cfg.dtype} on a GPU) needs cuDNN's library to compile; install it with: "
+        f"{install_command('cudnn', plugins_dir())} (or compile XLA's attention: "
+        "--config.model.attention_impl=xla)")
   model = sections.build_model(model_cfg)
   tx = train_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = train_lib.abstract_train_state(
@@ -422,6 +436,12 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       entry["while_loops"] = while_loops(hlo)
       entry["embedding_scatters"] = embedding_scatters(entry["scatters"],
                                                        _table_shapes(state.params))
+      if name in ("train", "eval"):
+        rows = data.batch_size if name == "train" else cfg.eval.batch_size
+        layers = tuple({model_cfg.num_encoder_layers, model_cfg.num_decoder_layers} - {0})
+        entry["step_shape"] = hlo_lib.step_shape(hlo, hlo_lib.Dims(
+            rows // (mesh.shape["data"] * mesh.shape["fsdp"]), data.max_len,
+            model_cfg.tgt_vocab_size, layers))
       if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         fs.replace_file(Path(hlo_dir) / f"{name}.hlo.txt", hlo.encode())
@@ -538,6 +558,8 @@ def format_report(report: dict) -> str:
                  f" + temps {_size(p['temp_size_in_bytes'])} = {_size(p['total_bytes'])}: "
                  f"{verdict}{flops}; collectives: {coll}; scatters into an embedding table: "
                  f"{p['embedding_scatters']}; compiled in {p['compile_seconds']} s")
+    if "step_shape" in p:
+      lines.extend(hlo_lib.format_shape(p["step_shape"]))
   for name, why in report.get("not_compiled", {}).items():
     lines.append(f"  {name}: not compiled: {why}")
   return "\n".join(lines)

@@ -169,6 +169,11 @@ class ModelConfig(_Section):
   # (a one-hot product on TPUs, a sorted segment sum on GPUs, scatter-add elsewhere),
   # "scatter", "onehot" or "sorted".
   embed_grad: str = "auto"
+  # What the attentions are told of each row: "segments" (a mask from segment ids, for packed
+  # rows) or "lengths" (one sequence a row, padding after it: a causal flag and each row's
+  # length, which cuDNN applies as its own mask type instead of reading a dense [B, 1, T, S]
+  # bias; needs data.packing=False).
+  attention_mask: str = "segments"
 
   def check(self):
     check(self.family in FAMILIES,
@@ -200,6 +205,8 @@ class ModelConfig(_Section):
           f"model.remat={self.remat!r} must be none, full or dots")
     check(self.embed_grad in ("auto", "scatter", "onehot", "sorted"),
           f"model.embed_grad={self.embed_grad!r} must be auto, scatter, onehot or sorted")
+    check(self.attention_mask in ("segments", "lengths"),
+          f"model.attention_mask={self.attention_mask!r} must be segments or lengths")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -374,6 +381,9 @@ class Config:
            "SentencePiece")):
         check(value == ok, f"{field}={value!r} is a translation field ({why}): set it to "
               f"{ok!r} for model.family='decoder_only'")
+    check(self.model.attention_mask == "segments" or not data.packing,
+          f"model.attention_mask={self.model.attention_mask!r} takes one sequence a row: set "
+          "data.packing=False (packed rows need attention_mask='segments')")
     check(not self.model.share_embeddings or data.tokenizer == "sentencepiece",
           "model.share_embeddings needs the joint sentencepiece tokenizer (data.tokenizer)")
 

@@ -86,6 +86,11 @@ class TransformerConfig(ModelConfig):
     return self.family != "decoder_only"
 
   @property
+  def by_lengths(self) -> bool:
+    """Whether the attentions take rows' lengths and a causal flag instead of a dense mask."""
+    return self.attention_mask == "lengths"
+
+  @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
 
@@ -141,10 +146,20 @@ tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 class SegmentMask:
   """Which keys each query may attend to, kept as segment ids (0: padding): the same
   non-padding segment, and not the future where causal. `dense()` builds the [B, 1, T, S]
-  boolean mask for the attentions that take one; splash attention reads the ids."""
+  boolean mask for the attentions that take one; splash attention reads the ids.
+
+  `by_lengths` (model.attention_mask="lengths"): every row holds one segment from position 0,
+  padding after it, so the mask is the causal flag and each row's length: cuDNN then applies
+  its own (padding-)causal mask type, with no [B, 1, T, S] bias read from memory."""
   q: jax.Array  # [B, T]
   kv: jax.Array  # [B, S]
   causal: bool = flax.struct.field(pytree_node=False, default=False)
+  by_lengths: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def lengths(self) -> tuple[jax.Array, jax.Array]:
+    """([B], [B]) int32: the real tokens of each query row and key row."""
+    count = lambda ids: jnp.sum(ids > 0, axis=1, dtype=jnp.int32)
+    return count(self.q), count(self.kv)
 
   def dense(self) -> jax.Array:
     """[B, 1, T, S] boolean."""
@@ -200,7 +215,13 @@ class MultiHeadAttention(nn.Module):
       out = splash.attention(q, k, v, mask.q, mask.kv, mask.causal, cfg.interpret_kernels)
     else:
       impl = "xla" if impl == "splash" else impl  # Lengths splash's blocks do not tile.
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask.dense(), implementation=impl)
+      if mask.by_lengths:
+        q_len, kv_len = mask.lengths()
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal,
+                                           query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                                           implementation=impl)
+      else:
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask.dense(), implementation=impl)
     return self.output(out)
 
   def attend_heads(self, q, k, v, mask):
@@ -584,7 +605,7 @@ class Transformer(_Shared, nn.Module):
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
     src_segments, src_positions = _default_segments(src, src_segments, src_positions)
-    mask = SegmentMask(src_segments, src_segments)  # [B, 1, S, S] where made dense
+    mask = SegmentMask(src_segments, src_segments, by_lengths=self.cfg.by_lengths)
     x = self._inputs(self.src_embed, src, src_positions, deterministic)
     x = self.encoder_stack(x, mask, deterministic)
     return self.encoder_norm(x) if self.cfg.pre_ln else x
@@ -599,8 +620,9 @@ class Transformer(_Shared, nn.Module):
                       tgt_positions=None, deterministic=True):
     """decode() up to the vocabulary projection: [B, T, D] in the compute dtype."""
     tgt_segments, tgt_positions = _default_segments(tgt_in, tgt_segments, tgt_positions)
-    self_mask = SegmentMask(tgt_segments, tgt_segments, causal=True)  # [B, 1, T, T]
-    cross_mask = SegmentMask(tgt_segments, src_segments)  # [B, 1, T, S]
+    self_mask = SegmentMask(tgt_segments, tgt_segments, causal=True,
+                            by_lengths=self.cfg.by_lengths)  # [B, 1, T, T] where made dense
+    cross_mask = SegmentMask(tgt_segments, src_segments, by_lengths=self.cfg.by_lengths)
     y = self._inputs(self.tgt_embed, tgt_in, tgt_positions, deterministic)
     y = self.decoder_stack(y, memory, self_mask, cross_mask, deterministic)
     return self.decoder_norm(y) if self.cfg.pre_ln else y
@@ -684,7 +706,8 @@ class LanguageModel(_Shared, nn.Module):
     """tokens: [B, T] int (0 = padding) -> [B, T, D] features before the vocabulary projection.
     Segment ids default to `tokens != 0` and positions to 0..T-1."""
     segments, positions = _default_segments(tokens, segments, positions)
-    mask = SegmentMask(segments, segments, causal=True)  # [B, 1, T, T] where made dense
+    mask = SegmentMask(segments, segments, causal=True,
+                       by_lengths=self.cfg.by_lengths)  # [B, 1, T, T] where made dense
     y = self._inputs(self.embed, tokens, positions, deterministic)
     y = self.decoder_stack(y, None, mask, None, deterministic)
     return self.decoder_norm(y) if self.cfg.pre_ln else y

@@ -2,6 +2,7 @@
 
   python -m transformer_jax aot --config configs/wmt14_base.py --topology v5e:2x4
   python -m transformer_jax aot --install_plugins
+  python -m transformer_jax aot --install_cudnn   # cuDNN attention for GPU targets
 
 Exit status 0 when every program fits the chip's memory, 3 when one does not, 1 on bad input.
 Reads transformer_jax/aot.py for what is compiled and reported.
@@ -23,8 +24,9 @@ def main(argv):
   with errors.reported():
     if len(argv) > 1:
       raise aot.AotError(f"unexpected arguments {argv[1:]}")
-    if F.install_plugins:
-      command = aot.install_command("all", aot.plugins_dir(F.plugins))
+    if F.install_plugins or F.install_cudnn:
+      command = aot.install_command("all" if F.install_plugins else "cudnn",
+                                    aot.plugins_dir(F.plugins))
       print(command)
       sys.exit(subprocess.call(command.split()))
     if F.config is None or not F.topology:
@@ -74,6 +76,8 @@ def define_flags():
                       "directory (PROGRAM.hlo.txt): what runs on the target.")
   flags.DEFINE_bool("install_plugins", False, "Install the pinned libtpu and CUDA plugin into "
                     "--plugins and exit.")
+  flags.DEFINE_bool("install_cudnn", False, "Install the pinned cuDNN library into --plugins "
+                    "and exit (0.7 GB; compiles cuDNN's fused attention for GPU targets).")
 
 
 def run() -> None:
