@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -149,14 +150,71 @@ def test_a_batch_that_does_not_fit_is_a_verdict_and_a_nonzero_exit(plugins, tmp_
     (["--topology", "v5e:2x2", "--config.data.batch_size=6"],
      "error: v5e:2x2 (4 devices): data.batch_size=6 does not split over the mesh's 4 data-parallel "
      "devices"),
-    (["--topology", "h100:1", "--config.model.dtype=bfloat16"],
-     "error: cuDNN's fused attention (model.attention_impl='auto': bfloat16 on a GPU) cannot be "
-     "compiled without a GPU"),
 ])
 def test_bad_targets_are_one_line(plugins, args, message):
   result, _ = _aot(plugins, *args)
   assert result.returncode == 1
   assert _error_line(result).startswith(message)
+
+
+def test_cudnn_attention_without_cudnn_names_its_install_command(plugins, tmp_path):
+  """The CUDA plugin without cuDNN's library: hard links to its files in a directory of their
+  own (the plugin looks for libraries beside its real path, so a symbolic link would not do)."""
+  bare = tmp_path / "plugins"
+  for entry in plugins.iterdir():
+    if entry.name.startswith(("jax_plugins", "jax_cuda12")):
+      shutil.copytree(entry, bare / entry.name, copy_function=os.link)
+  result, _ = _aot(bare, "--topology", "h100:1", "--config.model.dtype=bfloat16")
+  assert result.returncode == 1
+  line = _error_line(result)
+  assert line.startswith("error: cuDNN's fused attention (model.attention_impl='auto': bfloat16 "
+                         "on a GPU) needs cuDNN's library to compile; install it with: "), line
+  assert f"--target {bare} nvidia-cudnn-cu12==" in line
+
+
+@pytest.fixture(scope="module")
+def cudnn(plugins):
+  """cuDNN's library beside the plugins, installed by the command's own --install_cudnn."""
+  if not (plugins / "nvidia" / "cudnn").is_dir():
+    subprocess.run([sys.executable, "-m", "transformer_jax", "aot", "--install_cudnn"],
+                   cwd=ROOT, check=True, timeout=1800)
+  return plugins
+
+
+def test_causal_attention_reaches_cudnn_as_its_mask_type_not_a_dense_bias(cudnn, tmp_path):
+  """The language model's smoke step compiled for an H100 with cuDNN's attention, read from
+  its optimized HLO (the step's shape pinned: a change that adds a kernel to a layer, a
+  [tokens, vocab] array or a dense mask shows here). Segment ids (packed rows) reach cuDNN as a
+  [rows, 1, T, T] bias; row lengths (model.attention_mask=lengths) as its padding-causal mask
+  type, with no bias."""
+  shapes = {}
+  for mask in ("segments", "lengths"):
+    result, report = _aot(cudnn, "--topology", "h100:1", "--programs", "train",
+                          f"--config.model.attention_mask={mask}",
+                          f"--config.data.packing={mask == 'segments'}",
+                          config="configs/lm_gpt2_small.py:smoke", json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["attention_impl"] == "cudnn"
+    shapes[mask] = report["programs"]["train"]["step_shape"]
+    assert "cuDNN attention: " in result.stdout and "layer loop 2 (x2)" in result.stdout
+  dense, lengths = shapes["segments"], shapes["lengths"]
+  assert dense["attention"] == {
+      "calls": {"__cudnn$fmhaScaleBiasSoftmax": 2, "__cudnn$fmhaScaleBiasSoftmaxBackward": 1},
+      "with_bias": 3, "mask_types": {"NO_MASK": 3}}
+  assert dense["mask_arrays"] == {"bf16[16,1,32,32]": {"count": 2, "bytes": 2 * 16 * 32 * 32 * 2}}
+  assert lengths["attention"] == {
+      "calls": {"__cudnn$fmhaSoftmax": 2, "__cudnn$fmhaSoftmaxBackward": 1},
+      "with_bias": 0, "mask_types": {"PADDING_CAUSAL": 3}}
+  assert lengths["mask_arrays"] == {}
+  # The scanned stack: a forward loop (under remat "dots", the backward pass's recomputation
+  # too) and a backward loop of 2 layers; a layer's kernels in each.
+  assert [(loop["trip_count"], loop["fusions"]) for loop in dense["layer_loops"]] == [
+      (2, 24), (2, 51)]
+  assert [(loop["trip_count"], loop["fusions"]) for loop in lengths["layer_loops"]] == [
+      (2, 24), (2, 51)]
+  # The logits and their gradient, in bfloat16; no float32 copy of either.
+  for shape in (dense, lengths):
+    assert sorted(shape["vocab_arrays"]) == ["bf16[16,32,512]", "bf16[512,512]"]
 
 
 def test_help_names_every_kind_of_target_without_the_plugins_load_noise(plugins):
@@ -276,3 +334,7 @@ def test_the_124m_language_model_compiles_with_the_formulas_flops(plugins, tmp_p
   assert 120e6 < params / 4 < 130e6  # float32 parameters: GPT-2 small's 124M.
   if topology.startswith("v5e"):
     assert 0.9 <= train["xla_over_analytic"] <= 1.1, train
+  else:  # A device's logits and their gradient in bfloat16, no float32 copy: 2 x 0.77 GiB.
+    assert train["step_shape"]["vocab_arrays"] == {
+        "bf16[8,1024,50304]": {"count": 1, "bytes": 8 * 1024 * 50304 * 2},
+        "bf16[8192,50304]": {"count": 1, "bytes": 8 * 1024 * 50304 * 2}}

@@ -41,6 +41,9 @@ def test_d2l_tiny_has_the_chapters_settings():
     ("model.layer_norm_eps", 0.0, "model.layer_norm_eps=0.0 must be in (0, 1)"),
     ("run.mesh_shape", (1, 1), "run.mesh_shape=(1, 1) must have 3 entries"),
     ("step.grad_accum_steps", 5, "step.grad_accum_steps=5 must divide data.batch_size=36"),
+    ("model.attention_mask", "lengths", "model.attention_mask='lengths' takes one sequence a "
+     "row: set data.packing=False"),
+    ("model.attention_mask", "dense", "model.attention_mask='dense' must be segments or lengths"),
 ])
 def test_bad_fields_are_named(field, value, message):
   from configs import fra_eng

@@ -320,3 +320,33 @@ def params_at(params, path):
   for key in path:
     params = params[key]
   return params
+
+
+@pytest.mark.parametrize("family", ["encoder_decoder", "decoder_only"])
+def test_row_lengths_mask_as_the_segment_ids_do(family):
+  """model.attention_mask="lengths" (one sequence a row, padding after it: a causal flag and
+  each row's length, cuDNN's own mask types) gives the dense segment mask's outputs on every
+  real token, exactly (XLA's attention here; cuDNN's on a GPU: test_aot)."""
+  from transformer_jax.model import LanguageModel
+  lm = family == "decoder_only"
+  cfg = tiny_model_config(family=family, num_encoder_layers=0 if lm else 2,
+                          positions="learned" if lm else "sinusoidal", max_len=12)
+  lengths = np.array([12, 7, 3, 1])
+  segments = (np.arange(12)[None] < lengths[:, None]).astype(np.int32)  # [B, T]
+  tokens = np.random.default_rng(0).integers(3, 128, (4, 12)) * segments
+  positions = np.broadcast_to(np.arange(12), (4, 12))
+  args = (tokens, segments, positions) if lm else (tokens, tokens, segments, segments,
+                                                     positions, positions)
+  outs = []
+  for mask in ("segments", "lengths"):
+    model = (LanguageModel if lm else Transformer)(dataclasses.replace(cfg, attention_mask=mask))
+    variables = variables if outs else jax.jit(model.init)(jax.random.PRNGKey(0), *args)
+    outs.append(np.asarray(jax.jit(model.apply)(variables, *args)))
+  real = segments > 0
+  np.testing.assert_array_equal(outs[0][real], outs[1][real])
+  # And a later padded token does not move a real one's output.
+  moved = tokens.copy()
+  moved[1, 9] = 5
+  args = (moved,) + args[1:] if lm else (moved, moved) + args[2:]
+  again = np.asarray(jax.jit(model.apply)(variables, *args))
+  np.testing.assert_array_equal(again[real], outs[1][real])
