@@ -37,11 +37,17 @@
 #         few distinct pieces for 50,257): step time, tokens/s, MFU.
 # PART lm_peer: benchmarks/lm_vs_pytorch.py at that size: ours and the PyTorch peer trained
 #         120 s each on the same batches, step time, tokens/s and validation bits per character.
+# PART mfu: the language model at GPT-2 small's exact shape (benchmarks/gpt2_step.py: 64 x 1024
+#         tokens, vocabulary 50,304) against the nanoGPT-style PyTorch peer under torch.compile,
+#         round-robin in one process, with ours as configured and with each step lever (no remat;
+#         row lengths for cuDNN's causal mask type; both); then ours under the XLA flags of the
+#         GPU recipes; the base encoder-decoder queued back to back; the profile by bucket of
+#         the GPT-2-shape step. Needs no data. About 6-7 min on one H100 or H200.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
 # that a part would overwrite, 99: no wheels).
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|start|lm|lm_peer]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|start|lm|lm_peer|mfu]}
 part=${2:-real}
 # The parts that train into OUT_DIR remove what they made there at the end (gigabytes of state
 # not worth bringing back): they refuse an OUT_DIR that already holds those paths.
@@ -188,6 +194,23 @@ elif [ "$part" = lm_peer ]; then
       --set data.vocab_size=16384 --set run.num_steps=100000 --seconds 120 \
       --json "$out/lm_vs_pytorch.json"
   rm -rf "$out/tfds"
+elif [ "$part" = mfu ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $py -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())"
+  lengths=model.attention_mask=lengths,data.packing=False
+  step gpt2_vs_pytorch 330 $py benchmarks/gpt2_step.py --peers compiled --rounds 5 --steps 10 \
+      --variant model.remat=none --variant $lengths --variant $lengths,model.remat=none \
+      --json "$out/gpt2_vs_pytorch.json"
+  # The GPU recipes' flags (JAX-Toolbox GPU_performance.md, MaxText's a3 scripts), in a
+  # process of their own: compare its "ours" with the run above.
+  step gpt2_xla_flags 150 env XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true \
+      --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=" \
+      $py benchmarks/gpt2_step.py --peers none --rounds 5 --steps 10 \
+      --variant $lengths,model.remat=none --json "$out/gpt2_xla_flags.json"
+  step base_step 150 $py benchmarks/train_step.py "${base[@]}" --batches random \
+      --json "$out/base_step.json"
+  step gpt2_profile 120 $py benchmarks/profile_step.py --config configs/lm_gpt2_small.py \
+      --steps 3 --top 25 --json "$out/gpt2_profile.json"
 elif [ "$part" = 3 ]; then
   for size in base big; do
     step "variants_$size" 300 $py benchmarks/step_variants.py --config "configs/wmt14_$size.py" \

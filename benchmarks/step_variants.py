@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import interleaved, load_config  # noqa: E402
-from benchmarks.train_step import synthetic_batch, train_setup  # noqa: E402
+from benchmarks.train_step import config_batch, train_setup  # noqa: E402
 from transformer_jax import config as config_lib, sharding  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def compiled_variant(config) -> dict:
   """The AOT-compiled train step of `config` on one synthetic batch, with its memory report and
   a function that runs one step (carrying the donated state along)."""
   _, mesh, state, p_train = train_setup(config)
-  batch = synthetic_batch(config.data.batch_size, config.data.max_len, config.data.vocab_size)
+  batch = config_batch(config)
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(batch, mesh)
     compiled = p_train.lower(state, batch).compile()

@@ -37,7 +37,6 @@ from benchmarks.machine import cpu_model  # noqa: E402
 from benchmarks.common import load_config  # noqa: E402
 from transformer_jax import config as config_lib, sections, sharding, train_lib  # noqa: E402
 from transformer_jax.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
-from transformer_jax.model import Transformer  # noqa: E402
 
 
 
@@ -64,6 +63,17 @@ def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0):
   tok = lambda: rng.integers(4, vocab, (rows, length)).astype(np.int32)
   return {"inputs": tok(), "decoder_inputs": tok(), "targets": tok(), "inputs_segment_ids": seg,
           "targets_segment_ids": seg, "inputs_positions": pos, "targets_positions": pos}
+
+
+def config_batch(config, rows: int | None = None, seed: int = 0):
+  """synthetic_batch at the config's length and vocabulary (default rows: its batch size),
+  with only a language model's features where the config is one (decoder-only)."""
+  from transformer_jax.data.packing import LM_FEATURES
+  data = config.data
+  batch = synthetic_batch(rows or data.batch_size, data.max_len, data.vocab_size, seed)
+  if config.model.family == "decoder_only":
+    batch = {k: batch[k] for k in LM_FEATURES}
+  return batch
 
 
 def real_batches(config, rows: int, packing: bool, count: int):
@@ -99,9 +109,10 @@ def train_setup(config, mesh=None):
   """
   c = config_lib.parse(config)
   mesh = mesh or sharding.make_mesh(c.run.mesh_shape)
-  cfg = sections.model_config(c.model, c.data.vocab_size, c.data.vocab_size)
+  cfg = sections.model_config(c.model, c.data.vocab_size, c.data.vocab_size,
+                              max_len=c.data.max_len)
   state, shardings = train_lib.create_train_state(
-      Transformer(cfg), train_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
+      sections.build_model(cfg), train_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
       c.data.max_len, ema=c.step.ema_decay > 0)
   p_train, _ = train_lib.jit_steps(shardings, mesh, c.step)
   return cfg, mesh, state, p_train

@@ -116,8 +116,25 @@ def test_profile_sums_each_kernel_per_device_timeline(tmp_path):
   trace = tmp_path / "t.perfetto_trace.json.gz"
   with gzip.open(trace, "wt") as f:
     json.dump({"traceEvents": events}, f)
-  got = profile_step.kernel_times(trace)
+  labels = {}
+  got = profile_step.kernel_times(trace, labels)
   assert got == {"/device:GPU:0": {"gemm": 12, "softmax": 2}, "/host:CPU": {"gemm": 100}}
+  assert profile_step.buckets(got["/device:GPU:0"], labels, steps=2) == {
+      "optimizer": {"ms_a_step": 0.0, "share": 0.0}, "attention": {"ms_a_step": 0.0, "share": 0.0},
+      "gemm": {"ms_a_step": 0.006, "share": round(12 / 14, 4)},
+      "reductions": {"ms_a_step": 0.001, "share": round(2 / 14, 4)},
+      "elementwise": {"ms_a_step": 0.0, "share": 0.0}, "other": {"ms_a_step": 0.0, "share": 0.0}}
+
+
+@pytest.mark.parametrize("name,label,bucket", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", "", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "", "attention"),
+    ("input_reduce_fusion_3", "", "reductions"),
+    ("loop_multiply_fusion_12", "jit(train_step)/optax/adam/mul", "optimizer"),
+    ("loop_convert_fusion", "", "elementwise"),
+    ("memcpy", "", "other")])
+def test_profile_puts_each_kernel_in_one_bucket(name, label, bucket):
+  assert profile_step.bucket_of(name, label) == bucket
 
 
 def test_step_variants_reports_each_variants_memory_and_time(tmp_path):
@@ -218,3 +235,28 @@ def test_gpu_script_refuses_an_out_dir_whose_paths_a_part_would_remove(tmp_path,
   assert f"{existing.split('/')[0]} exists: PART {part} makes it" in result.stderr
   assert kept.read_text() == "a user's file"
   assert sorted(p.name for p in tmp_path.iterdir()) == [existing.split("/")[0]]
+
+
+def test_gpt2_step_times_ours_and_each_variant_on_the_same_batches(tmp_path):
+  """The GPT-2-shape benchmark at smoke size, ours only (the PyTorch peers need the bench
+  extra): every entry timed, its tokens/s from the batch's tokens; a bad peer is one line."""
+  out = tmp_path / "g.json"
+  result = subprocess.run(
+      [sys.executable, "benchmarks/gpt2_step.py", "--config", "configs/lm_gpt2_small.py:smoke",
+       "--set", "model.dtype=float32", "--variant",
+       "model.attention_mask=lengths,data.packing=False", "--peers", "none", "--rounds", "2",
+       "--steps", "2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+      timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  record = json.loads(out.read_text())
+  assert record["batch"] == [16, 32] and record["vocab"] == 512
+  names = ["ours", "ours [model.attention_mask=lengths,data.packing=False]"]
+  assert list(record["results"]) == names
+  for name in names:
+    r = record["results"][name]
+    assert len(record["step_seconds"][name]) == 2
+    assert r["tokens_per_sec"] == pytest.approx(16 * 32 / (r["median_step_ms"] / 1e3), rel=0.01)
+  bad = subprocess.run([sys.executable, "benchmarks/gpt2_step.py", "--peers", "jit"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1 and bad.stderr.strip() == (
+      "error: --peers 'jit': choose from compiled, eager, none")
