@@ -40,9 +40,10 @@
 # PART mfu: the language model at GPT-2 small's exact shape (benchmarks/gpt2_step.py: 64 x 1024
 #         tokens, vocabulary 50,304) against the nanoGPT-style PyTorch peer under torch.compile,
 #         round-robin in one process, with ours as configured and with each step lever (no remat;
-#         row lengths for cuDNN's causal mask type; both); then ours under the XLA flags of the
-#         GPU recipes; the base encoder-decoder queued back to back; the profile by bucket of
-#         the GPT-2-shape step. Needs no data. About 6-7 min on one H100 or H200.
+#         row lengths for cuDNN's causal mask type; both; both with the layers unrolled); then
+#         ours under the XLA flags of the GPU recipes; the base encoder-decoder queued back to
+#         back; the profile by bucket of the GPT-2-shape step. Needs no data; not run yet (its
+#         limits add to 14 min: expect about 7 on one H100 or H200).
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
 # that a part would overwrite, 99: no wheels).
@@ -198,8 +199,9 @@ elif [ "$part" = mfu ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $py -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())"
   lengths=model.attention_mask=lengths,data.packing=False
-  step gpt2_vs_pytorch 330 $py benchmarks/gpt2_step.py --peers compiled --rounds 5 --steps 10 \
+  step gpt2_vs_pytorch 400 $py benchmarks/gpt2_step.py --peers compiled --rounds 5 --steps 10 \
       --variant model.remat=none --variant $lengths --variant $lengths,model.remat=none \
+      --variant $lengths,model.remat=none,model.scan_layers=False \
       --json "$out/gpt2_vs_pytorch.json"
   # The GPU recipes' flags (JAX-Toolbox GPU_performance.md, MaxText's a3 scripts), in a
   # process of their own: compare its "ours" with the run above.
