@@ -222,11 +222,8 @@ def _per_device_bytes(tree) -> int:
   return total
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"collective-permute|collective-broadcast)(-start)?\(")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -239,7 +236,8 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     if not match:
       continue
     result_type, kind, start = match.groups()
-    arrays = [(dt, dims) for dt, dims in _ARRAY.findall(result_type) if dt in _DTYPE_BYTES]
+    arrays = [(dt, dims) for dt, dims in hlo_lib.ARRAY.findall(result_type)
+              if dt in hlo_lib.DTYPE_BYTES]
     if start and kind in ("all-gather", "collective-permute") and len(arrays) >= 2:
       arrays = arrays[len(arrays) // 2:]  # (operands, results): the results.
     size = 0
@@ -247,7 +245,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
       n = 1
       for d in filter(None, dims.split(",")):
         n *= int(d)
-      size += n * _DTYPE_BYTES[dt]
+      size += n * hlo_lib.DTYPE_BYTES[dt]
     entry = out.setdefault(kind, {"count": 0, "bytes": 0})
     entry["count"] += 1
     entry["bytes"] += size
@@ -264,8 +262,8 @@ def scatters(hlo_text: str) -> dict[str, int]:
   for line in hlo_text.splitlines():
     match = _SCATTER.search(line)
     if match:
-      key = ", ".join(f"{dt}[{dims}]" for dt, dims in _ARRAY.findall(match.group(1))
-                      if dt in _DTYPE_BYTES)
+      key = ", ".join(f"{dt}[{dims}]" for dt, dims in hlo_lib.ARRAY.findall(match.group(1))
+                      if dt in hlo_lib.DTYPE_BYTES)
       out[key] = out.get(key, 0) + 1
   return out
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+# Bytes an element of each HLO element type takes; an array type such as `bf16[64,1024]`.
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
                 "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 # `%name (params) -> result {` or `ENTRY %name ...{`: a computation's first line.
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 # `  [ROOT] %name = TYPE opcode(`: an instruction, its result type and opcode.
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\S+?|\(.*?\))\s+([a-z][\w\-]*)\(")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _BODY = re.compile(r"body=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -56,7 +57,7 @@ def _computations(text: str) -> dict[str, list[str]]:
 
 def _arrays(result_type: str) -> list[tuple[str, tuple[int, ...]]]:
   return [(dt, tuple(int(d) for d in dims.split(",") if d))
-          for dt, dims in _ARRAY.findall(result_type) if dt in _DTYPE_BYTES]
+          for dt, dims in ARRAY.findall(result_type) if dt in DTYPE_BYTES]
 
 
 def _count(lines: list[str]) -> dict:
@@ -133,7 +134,7 @@ def step_shape(text: str, dims: Dims) -> dict:
         if into is not None:
           entry = into.setdefault(key, {"count": 0, "bytes": 0})
           entry["count"] += 1
-          entry["bytes"] += n * _DTYPE_BYTES[dtype]
+          entry["bytes"] += n * DTYPE_BYTES[dtype]
   return {**total, "layer_loops": loops, "vocab_arrays": vocab_arrays,
           "mask_arrays": mask_arrays, "attention": attention}
 
