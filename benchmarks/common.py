@@ -58,7 +58,7 @@ def sources_of_width(translator, lines: list[str], width: int, limit: int | None
   """(lines, ids [N, width]): the first `limit` (default: all) non-blank `lines` whose tokens
   with <eos> round up to `width` (a multiple of 8, as translate batches them), and their ids
   for `translator`'s model."""
-  from transformer_jax.generation import encode_sources
+  from transformer_jax.decoding.generation import encode_sources
   tokenizer = translator.tokenizers.src
   lines = [line for line, ids in zip(lines, tokenizer.encode(lines))
            if line.strip() and -(-(len(ids) + 1) // 8) * 8 == width][:limit]

@@ -29,7 +29,8 @@ import jax  # noqa: E402
 
 from benchmarks.common import interleaved, load_config  # noqa: E402
 from benchmarks.train_step import synthetic_batch, train_setup  # noqa: E402
-from transformer_jax import sections, sharding  # noqa: E402
+from transformer_jax import sharding  # noqa: E402
+from transformer_jax.models import build
 
 
 def torch_step_fn(config, vocab: int, batch, compile_model: bool = False):
@@ -119,7 +120,7 @@ def main():
   config = load_config(args.config, args.set)
   config.data.max_len = args.len or config.data.max_len
   rows = args.rows or config.data.batch_size
-  vocab = sections.padded_vocab(config.data.vocab_size)
+  vocab = build.padded_vocab(config.data.vocab_size)
   batch = synthetic_batch(rows, config.data.max_len, vocab)
 
   steps = {"jax": jax_step_fn(config, batch)}

@@ -32,10 +32,12 @@ import numpy as np  # noqa: E402
 
 from benchmarks.machine import cpu_model  # noqa: E402
 from benchmarks.common import interleaved, load_config  # noqa: E402
-from transformer_jax import config as config_lib, generation, sections  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax import config as config_lib  # noqa: E402
+from transformer_jax.models import build
+from transformer_jax.decoding import generation
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
-from transformer_jax.model import Transformer  # noqa: E402
+from transformer_jax.models.transformer import Transformer  # noqa: E402
 
 
 def main():
@@ -55,7 +57,7 @@ def main():
   else:
     config = load_config(args.config)
     vocab = config.data.vocab_size
-    model = Transformer(sections.model_config(config_lib.parse(config).model, vocab, vocab))
+    model = Transformer(build.model_config(config_lib.parse(config).model, vocab, vocab))
     dummy = jnp.ones((1, 4), jnp.int32)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), dummy, dummy)["params"])
   out_len = args.out_len

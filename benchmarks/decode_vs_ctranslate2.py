@@ -5,8 +5,8 @@
       --reference ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
       --json benchmarks/results/NAME.json
 
-The workdir is exported to CTranslate2 (`transformer_jax.export`, float32) and loaded as float32
-and as int8 (CTranslate2 quantizes on load). Every engine translates every source whole (no
+The workdir is exported to CTranslate2 (`transformer_jax.serving.export`, float32) and loaded as
+float32 and as int8 (CTranslate2 quantizes on load). Every engine translates every source whole (no
 sentence splitting), greedy and with beam 4, on the same number of threads (`--threads`: XLA's
 CPU thread pool and CTranslate2's intra_threads). A first pass of each engine and mode is a
 A warm-up of each engine and mode translates one source of every source width (a multiple of
@@ -82,10 +82,10 @@ def main():
   import sacrebleu
   import sentencepiece as spm
 
-  from transformer_jax import slots
+  from transformer_jax.decoding import slots
   from transformer_jax.commands.translate import read_lines
-  from transformer_jax.generation import DecodeOptions
-  from transformer_jax.translator import BEAM_BUDGET, Translator, translate_lines
+  from transformer_jax.decoding.generation import DecodeOptions
+  from transformer_jax.decoding.translator import BEAM_BUDGET, Translator, translate_lines
 
   lines = read_lines(args.input)
   references = read_lines(args.reference) if args.reference else None
@@ -113,7 +113,7 @@ def main():
         engines[name] = None
         continue
       import ctranslate2
-      from transformer_jax import export
+      from transformer_jax.serving import export
       if not (Path(tmp) / "ct2").exists():
         export.export(args.workdir, "ctranslate2", Path(tmp) / "ct2")
       engines[name] = ctranslate2.Translator(str(Path(tmp) / "ct2"), device="cpu",

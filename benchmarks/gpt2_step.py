@@ -9,7 +9,7 @@ timed round-robin in one process: tokens/s and model-FLOPs utilisation of each.
 The shape is configs/lm_gpt2_small.py's: 12 pre-LN layers, d_model 768, 12 heads, FFN 3,072,
 1,024 tokens, 64 rows, a 50,257-piece vocabulary padded to 50,304 (llm.c's and nanoGPT's), bf16
 compute, AdamW; full rows of uniform random ids (one document a row), the same batches for
-every entry. Ours is the library's own train step (`train_lib.jit_steps`); each `--variant`
+every entry. Ours is the library's own train step (`step_lib.jit_steps`); each `--variant`
 (comma-separated FIELD=VALUE overrides) adds one more of ours.
 
 The peer is written here with nanoGPT's own settings: one fused q/k/v projection,
@@ -23,7 +23,7 @@ function and the same FLOPs.
 
 Each entry runs `--steps` steps queued back to back, then waits, once a round for `--rounds`
 rounds (A B C A B C); the median round gives its step time. Model FLOPs follow
-transformer_jax/flops.py (causal attention counted as half the T x T scores); utilisation is
+transformer_jax/models/flops.py (causal attention counted as half the T x T scores); utilisation is
 against the device's dense bf16 peak.
 """
 
@@ -46,7 +46,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
-from transformer_jax import config as config_lib, flops, sections, sharding, train_lib  # noqa
+from transformer_jax import config as config_lib, sharding  # noqa
+from transformer_jax.models import build
+from transformer_jax.models import flops
+from transformer_jax.training import steps as step_lib
 
 
 def lm_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -62,12 +65,12 @@ def ours(config, batch) -> tuple[callable, float]:
   """(run(k): k train steps queued then waited on, model FLOPs a step) of the library's step."""
   c = config_lib.parse(config)
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
-  cfg = sections.model_config(c.model, c.data.vocab_size, c.data.vocab_size,
+  cfg = build.model_config(c.model, c.data.vocab_size, c.data.vocab_size,
                               max_len=c.data.max_len)
-  state, shardings = train_lib.create_train_state(
-      sections.build_model(cfg), train_lib.make_optimizer(c.optimizer, c.run.num_steps), 0,
+  state, shardings = step_lib.create_train_state(
+      build.build_model(cfg), step_lib.make_optimizer(c.optimizer, c.run.num_steps), 0,
       mesh, c.data.max_len)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, c.step)
+  p_train, _ = step_lib.jit_steps(shardings, mesh, c.step)
   with sharding.mesh_context(mesh):
     device_batch = sharding.global_batch(batch, mesh)
     compiled = p_train.lower(state, device_batch).compile()
@@ -89,7 +92,7 @@ def peer(config, batch, compiled: bool):
   dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
   c = config_lib.parse(config)
   m, o = c.model, c.optimizer
-  d, heads, vocab = m.d_model, m.num_heads, sections.padded_vocab(c.data.vocab_size)
+  d, heads, vocab = m.d_model, m.num_heads, build.padded_vocab(c.data.vocab_size)
   torch.manual_seed(0)
 
   class Block(nn.Module):
@@ -218,7 +221,7 @@ def main():
             "date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
             "cpu": cpu_model(), "jax": jax.__version__, "peak_flops": peak,
             "batch": [base.data.batch_size, base.data.max_len],
-            "vocab": sections.padded_vocab(base.data.vocab_size), "model_flops_per_step":
+            "vocab": build.padded_vocab(base.data.vocab_size), "model_flops_per_step":
             step_flops, "rounds": args.rounds, "steps_per_round": args.steps, **extra,
             "step_seconds": times, "results": results}
   if args.json:

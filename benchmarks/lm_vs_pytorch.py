@@ -35,19 +35,22 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import load_config  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
-from transformer_jax import config as config_lib, flops, sections, sharding, train_lib  # noqa
+from transformer_jax import config as config_lib, sharding  # noqa
+from transformer_jax.models import build
+from transformer_jax.models import flops
+from transformer_jax.training import steps as step_lib
 from transformer_jax.data import documents, pipeline  # noqa: E402
 
 
 def train_ours(cfg, data, eval_data, seconds: float) -> dict:
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
-  model = sections.build_model(sections.model_config(
+  model = build.build_model(build.model_config(
       cfg.model, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size,
       max_len=cfg.data.max_len))
-  state, shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps), cfg.run.seed, mesh,
+  state, shardings = step_lib.create_train_state(
+      model, step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps), cfg.run.seed, mesh,
       cfg.data.max_len)
-  p_train, p_eval = train_lib.jit_steps(shardings, mesh, cfg.step)
+  p_train, p_eval = step_lib.jit_steps(shardings, mesh, cfg.step)
   stream = _train_stream(cfg, data)
   put = lambda b: sharding.global_batch(b, mesh)
   with sharding.mesh_context(mesh):
@@ -97,7 +100,7 @@ def train_torch(cfg, data, eval_data, seconds: float) -> dict:
     torch.set_num_threads(os.cpu_count())
   torch.manual_seed(cfg.run.seed)
   m = cfg.model
-  d, heads, vocab = m.d_model, m.num_heads, sections.padded_vocab(data.tokenizers.tgt.vocab_size)
+  d, heads, vocab = m.d_model, m.num_heads, build.padded_vocab(data.tokenizers.tgt.vocab_size)
 
   class Block(nn.Module):
     def __init__(self):
@@ -145,7 +148,7 @@ def train_torch(cfg, data, eval_data, seconds: float) -> dict:
   opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                            {"params": rest, "weight_decay": 0.0}], lr=o.learning_rate,
                           betas=(o.adam_b1, o.adam_b2), eps=o.adam_eps)
-  schedule = train_lib.learning_rate_schedule(o, cfg.run.num_steps)
+  schedule = step_lib.learning_rate_schedule(o, cfg.run.num_steps)
   bf16 = m.dtype == "bfloat16"
 
   def tensors(batch):

@@ -35,8 +35,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks.machine import cpu_model  # noqa: E402
 from benchmarks.common import load_config  # noqa: E402
-from transformer_jax import config as config_lib, sections, sharding, train_lib  # noqa: E402
-from transformer_jax.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
+from transformer_jax import config as config_lib, sharding  # noqa: E402
+from transformer_jax.models import build
+from transformer_jax.training import steps as step_lib
+from transformer_jax.models.flops import model_flops, peak_flops, segment_lengths  # noqa: E402,F401
 
 
 
@@ -109,12 +111,12 @@ def train_setup(config, mesh=None):
   """
   c = config_lib.parse(config)
   mesh = mesh or sharding.make_mesh(c.run.mesh_shape)
-  cfg = sections.model_config(c.model, c.data.vocab_size, c.data.vocab_size,
+  cfg = build.model_config(c.model, c.data.vocab_size, c.data.vocab_size,
                               max_len=c.data.max_len)
-  state, shardings = train_lib.create_train_state(
-      sections.build_model(cfg), train_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
+  state, shardings = step_lib.create_train_state(
+      build.build_model(cfg), step_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
       c.data.max_len, ema=c.step.ema_decay > 0)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, c.step)
+  p_train, _ = step_lib.jit_steps(shardings, mesh, c.step)
   return cfg, mesh, state, p_train
 
 

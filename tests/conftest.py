@@ -45,7 +45,7 @@ def smoke_config(tfds_dir, cache_dir):
 
 def tiny_model_config(**overrides):
   """One tiny model for all model, sharding and step tests."""
-  from transformer_jax.model import TransformerConfig
+  from transformer_jax.models.transformer import TransformerConfig
   kwargs = dict(src_vocab_size=128, tgt_vocab_size=128, d_model=32, num_heads=4, ffn_dim=64,
                 num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
                 share_embeddings=False, tie_output=False, attention_impl="xla")
@@ -57,7 +57,7 @@ def tiny_model_config(**overrides):
 def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
   """A 20-step smoke run with checkpoints 10 and 20, keeping a moving average of the parameters
   whatever the recipe does (tests copy it before changing it)."""
-  from transformer_jax import trainer
+  from transformer_jax.training import trainer
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
   config.data.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir, num_workers="0")

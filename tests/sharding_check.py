@@ -14,8 +14,9 @@ import jax
 import numpy as np
 
 from tests.conftest import tiny_model_config
-from transformer_jax import config as config_lib, sharding, train_lib
-from transformer_jax.model import Transformer
+from transformer_jax import config as config_lib, sharding
+from transformer_jax.training import steps as step_lib
+from transformer_jax.models.transformer import Transformer
 from configs import fra_eng
 
 
@@ -40,9 +41,9 @@ def run(mesh_shape, devices, embed_grad="scatter"):
   optimizer = dataclasses.replace(config.optimizer, warmup_steps=2)
   mesh = sharding.make_mesh(mesh_shape, devices)
   model = Transformer(tiny_model_config(dropout_rate=0.1, embed_grad=embed_grad))
-  state, shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(optimizer, config.run.num_steps), 0, mesh, 12)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
+  state, shardings = step_lib.create_train_state(
+      model, step_lib.make_optimizer(optimizer, config.run.num_steps), 0, mesh, 12)
+  p_train, _ = step_lib.jit_steps(shardings, mesh, step_lib.StepConfig())
   losses = []
   with sharding.mesh_context(mesh):
     for batch in batches(4):

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import DATA, ROOT
-from transformer_jax import aot
+from transformer_jax.training import aot
 
 # The smoke config at d_model 128 without dropout: at d_model 32 elementwise work and dropout's
 # random bits (which XLA counts as FLOPs) are a large share of the step, and the comparison

@@ -12,14 +12,15 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer_jax import checkpoint
+from transformer_jax.models.trained import open_run
 from transformer_jax.workdir import Workdir, WorkdirError
-from transformer_jax.average import AverageError, average_checkpoints, state_of
-from transformer_jax.translator import Translator
+from transformer_jax.training.average import AverageError, average_checkpoints, state_of
+from transformer_jax.decoding.translator import Translator
 
 
 def _states(config, workdir, steps):
   """{step: (state, data)} read back through the library's own restore."""
-  state, shardings = state_of(Workdir(workdir).open())
+  state, shardings = state_of(open_run(Workdir(workdir)))
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 1, 1, read_only=True)
   try:
     return {s: jax.device_get(ckpt.restore(s, state, shardings)) for s in steps}

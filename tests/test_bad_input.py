@@ -11,7 +11,8 @@ import zipfile
 
 import pytest
 
-from transformer_jax import config as config_lib, train_lib, trainer
+from transformer_jax import config as config_lib
+from transformer_jax.training import steps as step_lib, trainer
 from transformer_jax.workdir import WorkdirError
 from tests.conftest import DATA, ROOT
 from transformer_jax.data import sources
@@ -97,15 +98,15 @@ def test_bad_config_values_are_named(smoke_config, tmp_path, change, message):
 def test_zero_grad_clip_means_no_clipping_and_zero_warmup_means_none():
   import jax.numpy as jnp
   import optax
-  cfg = train_lib.OptimizerConfig(grad_clip=0.0, warmup_steps=0, learning_rate=1e-3,
+  cfg = step_lib.OptimizerConfig(grad_clip=0.0, warmup_steps=0, learning_rate=1e-3,
                                   schedule="rsqrt")
-  tx = train_lib.make_optimizer(cfg, num_steps=100)
+  tx = step_lib.make_optimizer(cfg, num_steps=100)
   params = {"w": jnp.ones(3)}
   updates, _ = tx.update({"w": jnp.full(3, 100.0)}, tx.init(params), params)
   assert float(jnp.abs(updates["w"]).max()) > 0  # Gradients are not zeroed.
-  schedule = train_lib.learning_rate_schedule(cfg, num_steps=100)
+  schedule = step_lib.learning_rate_schedule(cfg, num_steps=100)
   assert float(schedule(0)) == pytest.approx(1e-3) and float(schedule(3)) == pytest.approx(5e-4)
-  clipped = train_lib.make_optimizer(train_lib.OptimizerConfig(grad_clip=1.0), num_steps=100)
+  clipped = step_lib.make_optimizer(step_lib.OptimizerConfig(grad_clip=1.0), num_steps=100)
   assert isinstance(clipped.init(params), tuple) and optax  # Same state structure either way.
   assert len(clipped.init(params)) == len(tx.init(params))
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull, row_buckets
+from transformer_jax.serving.batcher import Batcher, Kind, NotReady, QueueFull, row_buckets
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 

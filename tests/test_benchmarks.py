@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import common, profile_step, train_step
 from tests.conftest import ROOT
-from transformer_jax.model import TransformerConfig
+from transformer_jax.models.transformer import TransformerConfig
 
 
 def test_model_flops_follows_the_documented_formula():
@@ -31,7 +31,7 @@ def test_model_flops_follows_the_documented_formula():
 
 
 def test_a_language_models_flops_have_no_cross_attention():
-  from transformer_jax import flops
+  from transformer_jax.models import flops
   cfg = TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=4, num_heads=1,
                           ffn_dim=8, num_encoder_layers=0, num_decoder_layers=2,
                           family="decoder_only")
@@ -86,13 +86,13 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import benchmarks.train_step, benchmarks.decode, benchmarks.compare_pytorch
 import benchmarks.profile_step, benchmarks.step_variants, benchmarks.token_ids
-import transformer_jax.translator, transformer_jax.heatmaps
+import transformer_jax.decoding.translator, transformer_jax.decoding.heatmaps
 from types import SimpleNamespace
 from configs import fra_eng
-from transformer_jax import sections
+from transformer_jax.training import checks
 workdir = SimpleNamespace(config=SimpleNamespace(data=SimpleNamespace(dataset="fra_eng")))
-print(transformer_jax.translator.Translator.src_lang.fget(workdir),
-      sections.validated(fra_eng.get_config("smoke")).data.dataset)
+print(transformer_jax.decoding.translator.Translator.src_lang.fget(workdir),
+      checks.validated(fra_eng.get_config("smoke")).data.dataset)
 try:
   import transformer_jax.data.sources
 except ImportError as e:

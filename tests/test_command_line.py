@@ -124,7 +124,7 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
   meet (a later command's lanes, timed differently, may shrink to one), after its output is
   written; the next command then finds every program it calls kept, and the model's abstract
   parameters (no init traced)."""
-  from transformer_jax import slots
+  from transformer_jax.decoding import slots
   _, workdir = trained
   source = tmp_path / "in.txt"
   source.write_text("".join(f"Go {i}.\n" for i in range(40)))
@@ -154,7 +154,7 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
 
 _CTRL_C_WHILE_COMPILING_FOR_LATER = """
 import sys
-from transformer_jax import translator
+from transformer_jax.decoding import translator
 def interrupted(self):
   raise KeyboardInterrupt
 translator.Translator.compile_slot_programs = interrupted
@@ -195,7 +195,7 @@ _FREED_AND_TAKEN_AGAIN = """
 import ctypes
 import resource
 import numpy as np
-from transformer_jax import launch
+from transformer_jax.commands import launch
 assert launch.keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

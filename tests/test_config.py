@@ -6,9 +6,11 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from transformer_jax.workdir import Workdir
-from transformer_jax.workdir import WorkdirError
-from transformer_jax import config as config_lib, sections, workdir as workdir_lib
+from transformer_jax import config as config_lib
+from transformer_jax.models import build
+from transformer_jax.training import checks
+from transformer_jax.training.resume import check_resumable, check_same_model
+from transformer_jax.workdir import Workdir, WorkdirError
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 
@@ -19,7 +21,7 @@ def test_every_config_validates(name, arg):
   module = __import__(f"configs.{name}", fromlist=["get_config"])
   config = module.get_config(arg)
   cfg = config_lib.validate(config)
-  model = sections.model_config(cfg.model, 1000, 1000)
+  model = build.model_config(cfg.model, 1000, 1000)
   assert model.tgt_vocab_size == 1024  # Padded to a multiple of 128.
 
 
@@ -51,7 +53,7 @@ def test_bad_fields_are_named(field, value, message):
   section, name = field.split(".")
   config[section][name] = value
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-    sections.validated(config)
+    checks.validated(config)
 
 
 def test_train_py_fails_in_one_line_before_compiling(tmp_path):
@@ -68,21 +70,21 @@ def test_train_py_fails_in_one_line_before_compiling(tmp_path):
 def test_a_workdir_of_another_model_is_refused():
   from configs import fra_eng
   saved = fra_eng.get_config("smoke")
-  workdir_lib.check_same_model(saved, saved)  # Same model: fine.
+  check_same_model(config_lib.parse(saved), config_lib.parse(saved))  # Same model: fine.
   scanned = fra_eng.get_config("smoke")
   scanned.model.scan_layers = True
   scanned.data.vocab_size = 300
   with pytest.raises(config_lib.ConfigError, match="model.scan_layers, data.vocab_size differ"):
-    workdir_lib.check_same_model(saved, scanned)
+    check_same_model(config_lib.parse(saved), config_lib.parse(scanned))
   averaged = fra_eng.get_config("smoke")
   averaged.step.ema_decay = 0.0 if saved.step.ema_decay else 0.99  # With(out) an average.
   with pytest.raises(config_lib.ConfigError, match="step.ema_decay differ"):
-    workdir_lib.check_same_model(saved, averaged)
+    check_same_model(config_lib.parse(saved), config_lib.parse(averaged))
   averaged.step.ema_decay, saved.step.ema_decay = 0.99, 0.999  # Another decay: same checkpoints.
-  workdir_lib.check_same_model(saved, averaged)
+  check_same_model(config_lib.parse(saved), config_lib.parse(averaged))
   sorted_grad = fra_eng.get_config("smoke")  # Another embedding gradient: same parameters.
   sorted_grad.model.embed_grad = "sorted"
-  workdir_lib.check_same_model(fra_eng.get_config("smoke"), sorted_grad)
+  check_same_model(config_lib.parse(fra_eng.get_config("smoke")), config_lib.parse(sorted_grad))
 
 
 def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
@@ -92,12 +94,12 @@ def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   (tmp_path / "checkpoints" / "10").mkdir(parents=True)
   (tmp_path / "config.json").write_text(config.to_json())
   caplog.set_level("WARNING")
-  Workdir(str(tmp_path)).check_resumable(config)  # The same command: nothing to say.
+  check_resumable(Workdir(str(tmp_path)), config_lib.parse(config))  # The same command: fine.
   config.optimizer.grad_clip = 0.5  # Not a learning rate.
-  Workdir(str(tmp_path)).check_resumable(config)
+  check_resumable(Workdir(str(tmp_path)), config_lib.parse(config))
   assert "learning rates" not in caplog.text
   config.run.num_steps = 40  # The cosine now decays over 40 steps.
-  Workdir(str(tmp_path)).check_resumable(config)
+  check_resumable(Workdir(str(tmp_path)), config_lib.parse(config))
   assert ("run.num_steps=40 (the run's: 20), optimizer.grad_clip=0.5 (the run's: 1.0): the "
           "learning rates "
           "from the checkpoint of step 10 on are not the ones the run was following"
@@ -108,10 +110,10 @@ def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):
   (tmp_path / "config.json").write_text(saved.to_json())
   config = fra_eng.get_config("smoke")
   config.optimizer.schedule, config.run.num_steps = "rsqrt", 40
-  Workdir(str(tmp_path)).check_resumable(config)
+  check_resumable(Workdir(str(tmp_path)), config_lib.parse(config))
   assert "learning rates" not in caplog.text
   config.optimizer.learning_rate *= 2
-  Workdir(str(tmp_path)).check_resumable(config)
+  check_resumable(Workdir(str(tmp_path)), config_lib.parse(config))
   assert "optimizer.learning_rate=0.002 (the run's: 0.001)" in caplog.text
 
 
@@ -120,16 +122,17 @@ def test_a_damaged_config_json_of_a_resumed_run_is_one_error(tmp_path):
   (tmp_path / "checkpoints" / "10").mkdir(parents=True)
   (tmp_path / "config.json").write_text('{"dataset": "fra_')  # Cut short.
   with pytest.raises(WorkdirError, match=r"config.json is damaged \(Unterminated"):
-    Workdir(str(tmp_path)).check_resumable(fra_eng.get_config("smoke"))
+    check_resumable(Workdir(str(tmp_path)), config_lib.parse(fra_eng.get_config("smoke")))
 
 
 def test_each_section_is_the_dataclass_its_subsystem_uses():
   from transformer_jax.data import pipeline
-  from transformer_jax import model, train_lib
+  from transformer_jax.models import transformer as model_lib
+  from transformer_jax.training import steps as step_lib
   assert pipeline.DataConfig is config_lib.DataConfig
-  assert train_lib.OptimizerConfig is config_lib.OptimizerConfig
-  assert train_lib.StepConfig is config_lib.StepConfig
-  assert issubclass(model.TransformerConfig, config_lib.ModelConfig)
+  assert step_lib.OptimizerConfig is config_lib.OptimizerConfig
+  assert step_lib.StepConfig is config_lib.StepConfig
+  assert issubclass(model_lib.TransformerConfig, config_lib.ModelConfig)
   # base_config is the dataclasses' defaults, section by section and field by field.
   assert config_lib.base_config().to_dict() == config_lib.Config().to_dict()
   assert set(config_lib.Config().to_dict()) == {

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax import embedding
-from transformer_jax.model import Transformer
+from transformer_jax.models import embedding
+from transformer_jax.models.transformer import Transformer
 
 pytestmark = pytest.mark.quick
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from transformer_jax import export, generation
+from transformer_jax.decoding import generation
+from transformer_jax.serving import export
 from transformer_jax.data.tokenizer import EOS, PAD
-from transformer_jax.generation import DecodeOptions, encode_sources, strip
-from transformer_jax.translator import Translator, split_pairs
+from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip
+from transformer_jax.decoding.translator import Translator, split_pairs
 
 
 def _cli(*args):
@@ -90,7 +91,7 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
   sentences = validation[:24]
   script = (
       "import json, sys\n"
-      "from transformer_jax.exported import ExportedTranslator\n"
+      "from transformer_jax.serving.exported import ExportedTranslator\n"
       f"t = ExportedTranslator({str(out)!r})\n"
       f"lines = {sentences!r}\n"
       "out = {'greedy': t.translate(lines), 'beam': t.translate(lines, beam=True),\n"
@@ -101,7 +102,7 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   got = json.loads(done.stdout.splitlines()[-1])
-  assert got["modules"] == ["transformer_jax", "transformer_jax.exported"]
+  assert got["modules"] == ["transformer_jax", "transformer_jax.serving.exported"]
 
   translator = Translator(workdir)
   width = export.source_widths(translator.max_src_len)[0]

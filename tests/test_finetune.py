@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 from tests.conftest import DATA, ROOT
-from transformer_jax import finetune, sections, sharding, train_lib, trainer
-from transformer_jax.finetune import InitFromError
-from transformer_jax.model import Transformer
-from transformer_jax.translator import Translator
+from transformer_jax import sharding
+from transformer_jax.models import build
+from transformer_jax.training import checks
+from transformer_jax.training import finetune, steps as step_lib, trainer
+from transformer_jax.training.finetune import InitFromError
+from transformer_jax.models.transformer import Transformer
+from transformer_jax.decoding.translator import Translator
+from transformer_jax.models.trained import open_run
 from transformer_jax.workdir import Workdir
 
 
@@ -38,13 +42,13 @@ def _equal_trees(a, b) -> bool:
 def test_the_state_at_step_0_has_the_other_runs_parameters_and_a_fresh_optimizer(
     trained, finetune_config):
   _, source = trained
-  cfg = sections.validated(finetune_config)
-  opened = Workdir(source).open()
-  model = Transformer(sections.model_config(cfg.model, opened.tokenizers.src.vocab_size,
+  cfg = checks.validated(finetune_config)
+  opened = open_run(Workdir(source))
+  model = Transformer(build.model_config(cfg.model, opened.tokenizers.src.vocab_size,
                                             opened.tokenizers.tgt.vocab_size))
   mesh = sharding.make_mesh(cfg.run.mesh_shape)
-  fresh, shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps), cfg.run.seed, mesh,
+  fresh, shardings = step_lib.create_train_state(
+      model, step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps), cfg.run.seed, mesh,
       cfg.data.max_len)
   state = finetune.start_from(fresh, finetune.check_source(cfg, str(source)), model, mesh,
                               shardings)

@@ -12,7 +12,7 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax.config import ConfigError
-from transformer_jax.model import LanguageModel, TransformerConfig
+from transformer_jax.models.transformer import LanguageModel, TransformerConfig
 from tests.conftest import DATA
 
 VOCAB, MAX_LEN = 64, 24
@@ -147,11 +147,11 @@ def test_a_saved_config_without_the_family_reads_as_a_translation_model():
      "decoder_only models; model.family='encoder_decoder'"),
 ])
 def test_a_dataset_of_the_other_family_is_named(family, dataset, message):
-  from transformer_jax import sections
+  from transformer_jax.training import checks
   model = {"family": family, "num_encoder_layers": 0 if family == "decoder_only" else 6}
   bleu = {"bleu_sentences": 0 if family == "decoder_only" else 256}
   with pytest.raises(ConfigError, match=message):
-    sections.validated({"model": model, "data": {"dataset": dataset}, "eval": bleu})
+    checks.validated({"model": model, "data": {"dataset": dataset}, "eval": bleu})
 
 
 def test_documents_are_held_out_whole_by_name():

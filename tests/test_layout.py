@@ -1,5 +1,5 @@
-"""The package's shape: no import cycles, config.py imports no subsystem, a workdir's layout is
-spelled in one module."""
+"""The package's shape: role folders over a small root of shared plumbing, imports only downward
+and in no cycle, config.py imports no subsystem, a workdir's layout spelled in one module."""
 
 import pytest
 import ast
@@ -59,8 +59,40 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_cycle():
   modules = _modules()
   graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
-  assert len(graph) > 20 and graph["transformer_jax.trainer"]  # The graph was read.
+  assert len(graph) > 20 and graph["transformer_jax.training.trainer"]  # The graph was read.
   assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+# The package's layers, lowest first: a module imports from its own layer or a lower one only.
+# The root holds shared plumbing (config, workdir, checkpoint, programs, errors, fs, sharding,
+# metrics); training sits above decoding, as it evaluates BLEU and compiles translate's decoder.
+LAYERS = ("root", "data", "models", "decoding", "training", "serving", "commands")
+# A run's files include its tokenizer: the workdir reads it (data.tokenizer imports only errors).
+ALLOWED_UPWARD = {("transformer_jax.workdir", "transformer_jax.data.tokenizer")}
+
+
+def _layer(module: str) -> int:
+  parts = module.split(".")
+  folder = parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) \
+      else "root"
+  return LAYERS.index(folder)
+
+
+def test_nothing_imports_upward():
+  modules = _modules()
+  folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+  assert folders == set(LAYERS) - {"root"}  # Every folder has its layer.
+  upward = sorted((name, imported) for name, path in modules.items() if name != "transformer_jax"
+                  for imported in _imports(path, modules)
+                  if imported != "transformer_jax" and _layer(imported) > _layer(name)
+                  and (name, imported) not in ALLOWED_UPWARD)
+  assert upward == []
+
+
+def test_the_root_holds_only_shared_plumbing():
+  assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
+      "__init__.py", "__main__.py", "checkpoint.py", "config.py", "errors.py", "fs.py",
+      "metrics.py", "programs.py", "sharding.py", "workdir.py"]
 
 
 def test_the_cycle_finder_finds_one():
@@ -92,12 +124,14 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
   import importlib
   from transformer_jax.errors import UserError
   names = {"transformer_jax.config": "ConfigError", "transformer_jax.workdir": "WorkdirError",
-           "transformer_jax.generation": "InferenceError",
-           "transformer_jax.average": "AverageError", "transformer_jax.aot": "AotError",
-           "transformer_jax.export": "ExportError",
-           "transformer_jax.finetune": "InitFromError",
+           "transformer_jax.decoding.generation": "InferenceError",
+           "transformer_jax.training.average": "AverageError",
+           "transformer_jax.training.aot": "AotError",
+           "transformer_jax.serving.export": "ExportError",
+           "transformer_jax.training.finetune": "InitFromError",
            "transformer_jax.commands.serve": "ServeError",
-           "transformer_jax.train_lib": "NonFiniteError", "transformer_jax.fs": "NotWritableError",
+           "transformer_jax.training.steps": "NonFiniteError",
+           "transformer_jax.fs": "NotWritableError",
            "transformer_jax.checkpoint": "CheckpointDamagedError",
            "transformer_jax.data.tokenizer": "TokenizerError",
            "transformer_jax.data.packing": "NoPairsError",

@@ -22,7 +22,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.conftest import DATA, ROOT
-from transformer_jax import config as config_lib, decode
+from transformer_jax import config as config_lib
+from transformer_jax.decoding import search
 from transformer_jax.data import documents
 from transformer_jax.data.tokenizer import BOS, EOS
 
@@ -188,7 +189,7 @@ def test_the_tokenizer_and_caches_are_reused(shakespeare, tmp_path):
 # Generation.
 
 def _lm(max_len=24):
-  from transformer_jax.model import LanguageModel, TransformerConfig
+  from transformer_jax.models.transformer import LanguageModel, TransformerConfig
   section = config_lib.ModelConfig(family="decoder_only", num_encoder_layers=0,
                                    num_decoder_layers=2, d_model=32, num_heads=4, ffn_dim=64,
                                    dropout_rate=0.0, pre_ln=True, positions="learned")
@@ -199,7 +200,7 @@ def _lm(max_len=24):
 
 
 def test_greedy_continuations_equal_the_full_forward_passs_argmax():
-  from transformer_jax.generation import continue_prompts
+  from transformer_jax.decoding.generation import continue_prompts
   model, params = _lm()
   prompts = [[BOS, 5, 9, 11, 40], [BOS, 7], [BOS, 30, 31, 32, 33, 34, 35, 36]]
   width, max_new = 8, 10
@@ -221,10 +222,10 @@ def test_greedy_continuations_equal_the_full_forward_passs_argmax():
 
 
 def test_a_sampled_continuation_is_the_same_in_any_batch():
-  from transformer_jax.generation import continue_prompts
+  from transformer_jax.decoding.generation import continue_prompts
   model, params = _lm()
   run = jax.jit(continue_prompts, static_argnums=(0, 4, 5, 6))
-  sampler = decode.Sampling(temperature=1.5, top_k=20)
+  sampler = search.Sampling(temperature=1.5, top_k=20)
   alone = run(model, params, np.array([[BOS, 5, 9, 0]], np.int32), np.array([3], np.int32), 24,
               12, sampler, jax.random.PRNGKey(7), np.array([1]))  # Prompt number 1 alone.
   both = run(model, params, np.array([[BOS, 8, 1, 2], [BOS, 5, 9, 0]], np.int32),
@@ -370,7 +371,7 @@ def _lm_config(tmp_path, **data):
 
 
 def test_an_empty_corpus_is_one_line_and_no_workdir(tmp_path):
-  from transformer_jax import trainer
+  from transformer_jax.training import trainer
   from transformer_jax.data.builders import DatasetError
   corpus = tmp_path / "corpus"
   corpus.mkdir()
@@ -383,7 +384,7 @@ def test_an_empty_corpus_is_one_line_and_no_workdir(tmp_path):
 
 
 def test_a_split_without_documents_is_one_line_and_no_workdir(tmp_path):
-  from transformer_jax import trainer
+  from transformer_jax.training import trainer
   from transformer_jax.data.builders import DatasetError
   config = _lm_config(tmp_path, data_dir=str(DATA / "shakespeare"),
                       eval_split="validation[:0]")
@@ -399,7 +400,7 @@ def test_a_split_without_documents_is_one_line_and_no_workdir(tmp_path):
 ])
 def test_a_translation_field_on_a_language_model_is_named(tmp_path, section, field, value,
                                                           message):
-  from transformer_jax import trainer
+  from transformer_jax.training import trainer
   config = _lm_config(tmp_path)
   config[section][field] = value
   with pytest.raises(config_lib.ConfigError, match=message):
@@ -409,7 +410,7 @@ def test_a_translation_field_on_a_language_model_is_named(tmp_path, section, fie
 
 def test_another_max_len_with_learned_positions_is_another_model():
   from configs import lm_shakespeare
-  from transformer_jax.workdir import check_same_model
+  from transformer_jax.training.resume import check_same_model
   saved = config_lib.parse(lm_shakespeare.get_config())
   longer = lm_shakespeare.get_config()
   longer.data.max_len = 2 * saved.data.max_len

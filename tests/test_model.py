@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax.model import (Transformer, TransformerConfig, sinusoidal_positions,
-                                   tied_logits)
+from transformer_jax.models.transformer import (Transformer, TransformerConfig,
+                                                sinusoidal_positions, tied_logits)
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 
@@ -128,7 +128,7 @@ def _stack_layers(params, num_encoder, num_decoder):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scanned_layers_give_the_unscanned_outputs(remat):
-  from transformer_jax import generation
+  from transformer_jax.decoding import generation
   cfg = tiny_model_config(num_encoder_layers=3, num_decoder_layers=2)
   scanned_cfg = dataclasses.replace(cfg, scan_layers=True, remat=remat)
   src = jnp.array([[5, 6, 7, 2, 0], [8, 2, 0, 0, 0]])
@@ -173,7 +173,7 @@ def test_tied_logits_custom_gradient_equals_autodiff():
 
 
 def test_auto_attention_picks_xla_off_gpu_and_keeps_an_explicit_choice():
-  from transformer_jax.sections import attention_impl
+  from transformer_jax.models.transformer import attention_impl
   expected = "cudnn" if jax.default_backend() == "gpu" else "xla"
   assert attention_impl("auto", "bfloat16", 64) == expected
   assert attention_impl("auto", "float32", 64) == "xla"  # cuDNN's fused kernel: 16-bit only.
@@ -253,7 +253,7 @@ def _packed_batch():
 def test_cudnn_attention_gives_the_xla_numbers_on_gpu():
   """Logits, loss and gradients on a packed, padded batch in bf16: cuDNN's attention is as close
   to a float32 reference as XLA's bf16 attention is."""
-  from transformer_jax import train_lib
+  from transformer_jax.training import steps as step_lib
   cfg = tiny_model_config(dtype="bfloat16", d_model=64, num_heads=4)  # head dim 16
   batch = _packed_batch()
   params = _params(cfg, batch["inputs"], batch["decoder_inputs"])
@@ -262,8 +262,8 @@ def test_cudnn_attention_gives_the_xla_numbers_on_gpu():
     apply = Transformer(dataclasses.replace(cfg, **overrides)).apply
 
     def loss_fn(p):
-      logits = train_lib._apply(apply, p, batch, deterministic=True)
-      sums = train_lib.cross_entropy(logits, batch["targets"], batch["targets_segment_ids"] > 0)
+      logits = step_lib._apply(apply, p, batch, deterministic=True)
+      sums = step_lib.cross_entropy(logits, batch["targets"], batch["targets_segment_ids"] > 0)
       return sums["loss_sum"] / sums["tokens"], logits
     (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     return loss, logits, np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
@@ -327,7 +327,7 @@ def test_row_lengths_mask_as_the_segment_ids_do(family):
   """model.attention_mask="lengths" (one sequence a row, padding after it: a causal flag and
   each row's length, cuDNN's own mask types) gives the dense segment mask's outputs on every
   real token, exactly (XLA's attention here; cuDNN's on a GPU: test_aot)."""
-  from transformer_jax.model import LanguageModel
+  from transformer_jax.models.transformer import LanguageModel
   lm = family == "decoder_only"
   cfg = tiny_model_config(family=family, num_encoder_layers=0 if lm else 2,
                           positions="learned" if lm else "sinusoidal", max_len=12)

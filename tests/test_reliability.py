@@ -21,10 +21,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.conftest import DATA, ROOT
-from transformer_jax import checkpoint, sharding, train_lib, trainer
-from transformer_jax.average import state_of
+from transformer_jax import checkpoint, sharding
+from transformer_jax.training import steps as step_lib, trainer
+from transformer_jax.training.average import state_of
+from transformer_jax.models.trained import open_run
 from transformer_jax.workdir import Workdir, WorkdirError
-from transformer_jax.translator import Translator
+from transformer_jax.decoding.translator import Translator
 
 NUM_STEPS = 30
 
@@ -168,7 +170,7 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
                            run=dict(checkpoint_every=5, keep_checkpoints=2, num_steps=20),
                            data=dict(num_workers="0")))
   stop = smoke_config.copy_and_resolve_references()
-  with pytest.raises(train_lib.NonFiniteError, match="non-finite loss or gradients at step 13"):
+  with pytest.raises(step_lib.NonFiniteError, match="non-finite loss or gradients at step 13"):
     trainer.train_and_evaluate(stop, str(tmp_path / "stop"))
   # The checkpoint of step 15 would hold the state after the dropped step 13: never written.
   assert _finite_checkpoints(tmp_path / "stop") == [5, 10]
@@ -187,7 +189,7 @@ def test_injected_nan_stops_or_is_skipped_and_never_reaches_a_checkpoint(tmp_pat
   burst.update(dict(run=dict(nonfinite="skip", max_nonfinite_in_row=3),
                     step=dict(nan_at_step=0),
                     optimizer=dict(learning_rate=1e38, warmup_steps=0, grad_clip=0.0)))
-  with pytest.raises(train_lib.NonFiniteError, match="3 non-finite steps in a row"):
+  with pytest.raises(step_lib.NonFiniteError, match="3 non-finite steps in a row"):
     trainer.train_and_evaluate(burst, str(tmp_path / "burst"))
 
 
@@ -212,7 +214,7 @@ def _damage(step_dir, kind, every_chunk=False):
 
 def _restore_latest(config, workdir):
   """What train.py does at start-up: restore the newest checkpoint that verifies."""
-  state, shardings = state_of(Workdir(workdir).open())
+  state, shardings = state_of(open_run(Workdir(workdir)))
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 10, 3)
   try:
     return ckpt.restore_latest(state, shardings)

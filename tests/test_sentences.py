@@ -1,5 +1,5 @@
 import pytest
-from transformer_jax import sentences
+from transformer_jax.decoding import sentences
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.serve_load import get, post, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
-from transformer_jax.translator import split_pairs
+from transformer_jax.decoding.translator import split_pairs
 from transformer_jax.workdir import Workdir
 
 

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decode, generation, slots
-from transformer_jax.generation import SPECIALS, DecodeOptions, encode_sources
+from transformer_jax.decoding import search, generation, slots
+from transformer_jax.decoding.generation import SPECIALS, DecodeOptions, encode_sources
 from transformer_jax.programs import ProgramStore
-from transformer_jax.translator import Translator, split_pairs, translate_lines
+from transformer_jax.decoding.translator import Translator, split_pairs, translate_lines
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +89,9 @@ def test_sampling_in_slots_draws_what_the_batch_sampler_draws(translator, source
   keys come from its number in the input and the step)."""
   src, rows = _rows(translator, sources[:16])
   width, max_len = src.shape[1], src.shape[1] + 10
-  sampler, rng = decode.Sampling(temperature=1.5, top_k=20), jax.random.PRNGKey(7)
+  sampler, rng = search.Sampling(temperature=1.5, top_k=20), jax.random.PRNGKey(7)
   step, cache = generation.decoder(translator.model, translator.params, src, max_len)
-  batch = np.asarray(jax.jit(lambda: decode.sample_scored(
+  batch = np.asarray(jax.jit(lambda: search.sample_scored(
       step, cache, len(rows), max_len, SPECIALS, sampler, rng)[0])())
   decoder = slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 5,
                               width, max_len, SPECIALS, sampler=sampler, rng=rng)
@@ -224,7 +224,7 @@ def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
   rounded up to 4: the slots' warm-up compiles the encoder for each of those and every other
   program, and calls the run sizes and small encoder batches once, so no request waits for a
   program to compile."""
-  from transformer_jax.batcher import Kind, SlotBatcher
+  from transformer_jax.serving.batcher import Kind, SlotBatcher
   store, runs = ProgramStore(None), collections.Counter()
 
   def stream(beam_size, width):
@@ -262,7 +262,7 @@ def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
 def test_the_servers_lanes_share_a_class_and_each_answer_is_its_own():
   """With two lanes a class's pieces are split between two streams of one decoder (the least
   loaded takes the next), which step at once; every answer is still its own sentence's."""
-  from transformer_jax.batcher import Kind, SlotBatcher
+  from transformer_jax.serving.batcher import Kind, SlotBatcher
   decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 8, 16, 26, SPECIALS, beam_size=3)
   taken, steps = collections.defaultdict(list), []
   for rows, run in list(decoder._runs.items()):
@@ -550,9 +550,9 @@ import threading
 import jax, numpy as np
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-from transformer_jax import generation, slots
+from transformer_jax.decoding import generation, slots
 from transformer_jax.programs import ProgramStore
-from transformer_jax.translator import SPECIALS, Translator
+from transformer_jax.decoding.translator import SPECIALS, Translator
 
 translator = Translator(sys.argv[1])
 rows = [np.array([5 + (7 * i + j) % 40 for j in range(2 + i % 9)] + [SPECIALS.eos], np.int32)

@@ -13,8 +13,9 @@ import pytest
 
 from benchmarks.train_step import synthetic_batch
 from tests.conftest import tiny_model_config
-from transformer_jax import sharding, train_lib
-from transformer_jax.model import Transformer
+from transformer_jax import sharding
+from transformer_jax.training import steps as step_lib
+from transformer_jax.models.transformer import Transformer
 
 
 ROWS, LENGTH, VOCAB = 16, 32, 1024
@@ -29,14 +30,14 @@ def _batch(rows=ROWS):
 
 
 @functools.lru_cache(maxsize=None)
-def _step(step_cfg: train_lib.StepConfig, rows: int = ROWS):
+def _step(step_cfg: step_lib.StepConfig, rows: int = ROWS):
   """(new parameters, metrics, AOT temporaries in bytes) of one compiled train step on _batch:
   the tiny model with a large vocabulary (so that the logits weigh), plain SGD (so that the new
   parameters show the gradients themselves)."""
   mesh = sharding.make_mesh((-1, 1, 1))
   model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
-  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), 0, mesh, LENGTH)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, step_cfg)
+  state, shardings = step_lib.create_train_state(model, optax.sgd(1.0), 0, mesh, LENGTH)
+  p_train, _ = step_lib.jit_steps(shardings, mesh, step_cfg)
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(_batch(rows), mesh)
     compiled = p_train.lower(state, batch).compile()
@@ -58,8 +59,8 @@ def _assert_params_close(a, b):
 
 
 def test_accumulated_microbatches_give_the_update_of_the_whole_batch():
-  whole_params, whole, _ = _step(train_lib.StepConfig(label_smoothing=0.1))
-  accum_params, accum, _ = _step(train_lib.StepConfig(label_smoothing=0.1, grad_accum_steps=4))
+  whole_params, whole, _ = _step(step_lib.StepConfig(label_smoothing=0.1))
+  accum_params, accum, _ = _step(step_lib.StepConfig(label_smoothing=0.1, grad_accum_steps=4))
   _assert_params_close(accum_params, whole_params)
   assert accum["tokens"] == whole["tokens"] == float((_batch()["targets_segment_ids"] > 0).sum())
   for key in ("loss", "nll", "grad_norm"):
@@ -67,9 +68,9 @@ def test_accumulated_microbatches_give_the_update_of_the_whole_batch():
 
 
 def test_accumulated_step_needs_about_the_memory_of_one_microbatch():
-  micro = _step(train_lib.StepConfig(label_smoothing=0.1), ROWS // 4)[2]
-  accumulated = _step(train_lib.StepConfig(label_smoothing=0.1, grad_accum_steps=4))[2]
-  whole = _step(train_lib.StepConfig(label_smoothing=0.1))[2]
+  micro = _step(step_lib.StepConfig(label_smoothing=0.1), ROWS // 4)[2]
+  accumulated = _step(step_lib.StepConfig(label_smoothing=0.1, grad_accum_steps=4))[2]
+  whole = _step(step_lib.StepConfig(label_smoothing=0.1))[2]
   assert accumulated <= 1.2 * micro
   assert whole > 2 * micro  # The batch's activations would be 4x those of a microbatch.
 
@@ -83,7 +84,7 @@ def test_chunked_loss_equals_the_full_loss_through_the_tied_embedding():
                                     batch["decoder_inputs"][:1])["params"])
 
   def sums(params, chunks):
-    return train_lib.loss_sums(model.apply, params, batch, 0.1, chunks)
+    return step_lib.loss_sums(model.apply, params, batch, 0.1, chunks)
 
   grad = lambda chunks: jax.jit(jax.grad(lambda p: sums(p, chunks)["loss_sum"]))(params)
   full, chunked = jax.jit(sums, static_argnums=1)(params, 1), jax.jit(
@@ -100,9 +101,9 @@ def test_chunked_loss_equals_the_full_loss_through_the_tied_embedding():
 
 
 def test_chunked_loss_step_equals_the_plain_step_with_less_memory():
-  plain_params, plain, plain_temporaries = _step(train_lib.StepConfig(label_smoothing=0.1))
+  plain_params, plain, plain_temporaries = _step(step_lib.StepConfig(label_smoothing=0.1))
   chunked_params, chunked, chunked_temporaries = _step(
-      train_lib.StepConfig(label_smoothing=0.1, loss_chunks=4))
+      step_lib.StepConfig(label_smoothing=0.1, loss_chunks=4))
   _assert_params_close(chunked_params, plain_params)
   np.testing.assert_allclose(chunked["loss"], plain["loss"], rtol=1e-6)
   assert chunked_temporaries <= 0.8 * plain_temporaries
@@ -114,16 +115,16 @@ def test_loss_chunks_must_divide_the_length():
   params = nn.meta.unbox(model.init(jax.random.key(0), batch["inputs"][:1],
                                     batch["decoder_inputs"][:1])["params"])
   with pytest.raises(ValueError, match="loss_chunks=5 does not divide the target length 32"):
-    train_lib.loss_sums(model.apply, params, batch, 0.1, 5)
+    step_lib.loss_sums(model.apply, params, batch, 0.1, 5)
 
 
 def test_moving_average_follows_the_parameters_and_skips_non_finite_steps():
   mesh = sharding.make_mesh((-1, 1, 1))
   model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
-  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), 0, mesh, LENGTH,
+  state, shardings = step_lib.create_train_state(model, optax.sgd(1.0), 0, mesh, LENGTH,
                                                   ema=True)
-  cfg = train_lib.StepConfig(label_smoothing=0.1, ema_decay=0.5, nan_at_step=3)
-  p_train, p_eval = train_lib.jit_steps(shardings, mesh, cfg)
+  cfg = step_lib.StepConfig(label_smoothing=0.1, ema_decay=0.5, nan_at_step=3)
+  p_train, p_eval = step_lib.jit_steps(shardings, mesh, cfg)
   expected = jax.device_get(state.params)  # The average starts at the initial parameters.
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(_batch(), mesh)
@@ -141,7 +142,7 @@ def test_moving_average_follows_the_parameters_and_skips_non_finite_steps():
     assert _max_difference(ema, params) > 1e-3  # The average really lags the parameters.
     # Evaluation uses the average.
     got = p_eval(state, batch)
-    want = train_lib.loss_sums(model.apply, state.ema_params, batch)
+    want = step_lib.loss_sums(model.apply, state.ema_params, batch)
     np.testing.assert_allclose(float(got["nll_sum"]), float(want["nll_sum"]), rtol=1e-6)
 
 
@@ -150,9 +151,9 @@ def test_a_scanned_bfloat16_model_initializes_and_trains_a_step():
   mesh = sharding.make_mesh((-1, 1, 1))
   model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB,
                                         dtype="bfloat16", scan_layers=True))
-  state, shardings = train_lib.create_train_state(model, optax.adam(1e-3), 0, mesh, LENGTH)
+  state, shardings = step_lib.create_train_state(model, optax.adam(1e-3), 0, mesh, LENGTH)
   before = jax.tree.map(np.asarray, state.params)
-  p_train, _ = train_lib.jit_steps(shardings, mesh, train_lib.StepConfig())
+  p_train, _ = step_lib.jit_steps(shardings, mesh, step_lib.StepConfig())
   with sharding.mesh_context(mesh):
     state, metrics = p_train(state, sharding.global_batch(_batch(), mesh))
   assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 0
@@ -166,8 +167,8 @@ def test_the_abstract_state_is_the_created_state_without_values():
   mesh = sharding.make_mesh((-1, 1, 1))
   model = Transformer(tiny_model_config())
   tx = optax.adam(1e-3)
-  abstract, shardings = train_lib.abstract_train_state(model, tx, mesh, LENGTH, ema=True)
-  state, created_shardings = train_lib.create_train_state(model, tx, 0, mesh, LENGTH, ema=True)
+  abstract, shardings = step_lib.abstract_train_state(model, tx, mesh, LENGTH, ema=True)
+  state, created_shardings = step_lib.create_train_state(model, tx, 0, mesh, LENGTH, ema=True)
   assert shardings == created_shardings
   pairs = list(zip(jax.tree.leaves(abstract), jax.tree.leaves(state)))
   assert len(pairs) == len(jax.tree.leaves(state)) > 0

@@ -7,7 +7,9 @@ import optax
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax import config as config_lib, sections, train_lib, trainer
+from transformer_jax import config as config_lib
+from transformer_jax.models import build
+from transformer_jax.training import steps as step_lib, trainer
 
 
 def _run(config, workdir, num_steps):
@@ -18,7 +20,7 @@ def _run(config, workdir, num_steps):
 def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config, tmp_path,
                                                                    monkeypatch):
   # The train step must be traced once per run, however many steps it takes.
-  monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(train_lib.train_step, n=1))
+  monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(step_lib.train_step, n=1))
   smoke_config.run.checkpoint_every = 7
   # The first run stops at 7 by asking for 7 steps: a schedule that does not span num_steps
   # (the recipe's cosine is resumed exactly by the kill and preemption tests, same num_steps).
@@ -52,8 +54,8 @@ def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config,
   assert train_steps == [5, 7, 10, 15, 20]  # 7: the end of the first run.
   # Model FLOPs: a step's (their rate over steps/s) lies between the vocabulary projection of
   # its real target tokens alone and a batch full to capacity; mfu is the rate over the peak.
-  from transformer_jax import flops
-  cfg = sections.model_config(config_lib.parse(smoke_config).model, 500, 500)
+  from transformer_jax.models import flops
+  cfg = build.model_config(config_lib.parse(smoke_config).model, 500, 500)
   rows, length = smoke_config.data.batch_size, smoke_config.data.max_len
   full = flops.model_flops(cfg, np.full(rows, length), np.full(rows, length))
   for r in (r for r in records if "train/loss" in r):
@@ -89,10 +91,10 @@ def test_the_smoke_runs_losses_are_pinned(trained):
 def test_cross_entropy_uses_integer_labels_and_ignores_padding():
   logits = np.log(np.array([[[0.7, 0.1, 0.2], [0.2, 0.2, 0.6]]], np.float32))
   targets = np.array([[0, 2]])
-  sums = train_lib.cross_entropy(logits, targets, np.array([[1, 0]]), label_smoothing=0.0)
+  sums = step_lib.cross_entropy(logits, targets, np.array([[1, 0]]), label_smoothing=0.0)
   np.testing.assert_allclose(sums["nll_sum"], -np.log(0.7), rtol=1e-6)
   assert float(sums["tokens"]) == 1 and float(sums["correct"]) == 1
-  smoothed = train_lib.cross_entropy(logits, targets, np.array([[1, 0]]), label_smoothing=0.3)
+  smoothed = step_lib.cross_entropy(logits, targets, np.array([[1, 0]]), label_smoothing=0.3)
   expected = 0.7 * -np.log(0.7) + 0.3 * -np.mean(np.log([0.7, 0.1, 0.2]))
   np.testing.assert_allclose(smoothed["loss_sum"], expected, rtol=1e-6)
   ref = optax.softmax_cross_entropy(logits[0, :1], 0.7 * np.eye(3)[[0]] + 0.1)
@@ -114,7 +116,7 @@ def test_cross_entropy_gradient_equals_autodiff_of_the_one_hot_formula(label_smo
     return (smoothed * weights).sum() + 0.3 * (picked * weights).sum()
 
   def ours(logits):
-    sums = train_lib.cross_entropy(logits, targets, weights, label_smoothing)
+    sums = step_lib.cross_entropy(logits, targets, weights, label_smoothing)
     return sums["loss_sum"] + 0.3 * sums["nll_sum"]
 
   np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
@@ -125,7 +127,7 @@ def test_rsqrt_schedule_warms_up_then_decays():
   from configs import fra_eng
   c = fra_eng.get_config()
   c.optimizer.update(schedule="rsqrt", learning_rate=1e-3, warmup_steps=100)
-  lr = train_lib.learning_rate_schedule(config_lib.parse(c).optimizer, c.run.num_steps)
+  lr = step_lib.learning_rate_schedule(config_lib.parse(c).optimizer, c.run.num_steps)
   assert float(lr(0)) == 0.0
   np.testing.assert_allclose(float(lr(50)), 5e-4, rtol=1e-6)
   np.testing.assert_allclose(float(lr(100)), 1e-3, rtol=1e-6)
@@ -151,7 +153,7 @@ def _id_cache(directory, id_pairs):
 def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded(tmp_path):
   import flax.linen as nn
   from transformer_jax.data import pipeline
-  from transformer_jax.model import Transformer
+  from transformer_jax.models.transformer import Transformer
   rng = np.random.default_rng(0)
   pairs = [(rng.integers(4, 100, n_src - 1), rng.integers(4, 100, n_tgt - 1))
            for n_src, n_tgt in [(5, 4), (3, 6), (4, 2)]]
@@ -172,15 +174,15 @@ def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded(tmp_path):
   model = Transformer(tiny_model_config())
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), padded["inputs"],
                                     padded["decoder_inputs"])["params"])
-  state = train_lib.TrainState.create(apply_fn=model.apply, params=params,
+  state = step_lib.TrainState.create(apply_fn=model.apply, params=params,
                                       tx=optax.sgd(0.1), rng=jax.random.PRNGKey(0))
   # The evaluation split packed as in training (every sentence in one batch of 2 rows here).
   eval_packed = pipeline.eval_batches(_id_cache(tmp_path / "u", unpacked), batch_size=2,
                                       max_len=16, overlong="drop")
   assert len(eval_packed) == 1 and eval_packed[0]["targets_segment_ids"].max() >= 2
-  a = train_lib.eval_step(state, packed)
-  b = train_lib.eval_step(state, padded)
-  c = train_lib.eval_step(state, eval_packed[0])
+  a = step_lib.eval_step(state, packed)
+  b = step_lib.eval_step(state, padded)
+  c = step_lib.eval_step(state, eval_packed[0])
   assert float(a["tokens"]) == float(b["tokens"]) == float(c["tokens"]) == 12
   assert sum(len(t) + 1 for _, t in unpacked) == 12
   for x in (a, c):

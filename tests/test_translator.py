@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from transformer_jax import decode, generation
-from transformer_jax import translator as translator_lib
+from transformer_jax.decoding import search, generation
+from transformer_jax.decoding import translator as translator_lib
 from transformer_jax.data.tokenizer import EOS, PAD
-from transformer_jax.generation import DecodeOptions, InferenceError, encode_sources
-from transformer_jax.translator import Translator, split_pairs
+from transformer_jax.decoding.generation import DecodeOptions, InferenceError, encode_sources
+from transformer_jax.decoding.translator import Translator, split_pairs
 
 ALPHA = 0.6
 
@@ -50,7 +50,7 @@ def test_n_best_lists_are_sorted_and_rescored_by_the_model(trained, sources, bea
                                                 np.repeat(src, 4, axis=0), rows,
                                                 translator.tokenizers.tgt.vocab_size))
   lengths = np.where(ended, (rows != PAD).sum(-1), max_len)
-  np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores.reshape(-1),
+  np.testing.assert_allclose(logp / search.length_penalty(lengths, ALPHA), scores.reshape(-1),
                              rtol=2e-4, atol=2e-4)
 
 
@@ -67,7 +67,7 @@ def test_greedy_scores_are_the_models_log_probabilities_over_the_length_penalty(
   logp = np.asarray(generation.sequence_logprob(translator.model, translator.params, src, rows,
                                                 translator.tokenizers.tgt.vocab_size))
   lengths = (rows != PAD).sum(-1)  # With <eos> where an output ended; max_len where not.
-  np.testing.assert_allclose(logp / decode.length_penalty(lengths, ALPHA), scores[:, 0],
+  np.testing.assert_allclose(logp / search.length_penalty(lengths, ALPHA), scores[:, 0],
                              rtol=2e-4, atol=2e-4)
 
 

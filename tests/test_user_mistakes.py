@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from transformer_jax import config as config_lib, trainer
+from transformer_jax import config as config_lib
+from transformer_jax.training import trainer
 from tests.conftest import DATA, ROOT
 from transformer_jax.data import pipeline
 from transformer_jax.data.packing import NoPairsError
@@ -197,7 +198,8 @@ def test_a_ctrl_c_that_library_code_swallowed_still_stops_training(smoke_config,
                                                                   monkeypatch):
   """A KeyboardInterrupt raised where Python can only print it (a __del__, a callback from C)
   or caught by library code is remembered: training does not start."""
-  from transformer_jax import errors, trainer
+  from transformer_jax import errors
+  from transformer_jax.training import trainer
   from transformer_jax.data import pipeline
   prepare = pipeline.prepare
 

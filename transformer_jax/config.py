@@ -165,7 +165,7 @@ class ModelConfig(_Section):
   attention_impl: str | None = "auto"
   scan_layers: bool = False  # nn.scan over layers: compile time independent of depth.
   remat: str = "none"  # Recompute activations in the backward pass: "none", "full", "dots".
-  # How the embedding tables' gradients are formed (transformer_jax/embedding.py): "auto"
+  # How the embedding tables' gradients are formed (transformer_jax/models/embedding.py): "auto"
   # (a one-hot product on TPUs, a sorted segment sum on GPUs, scatter-add elsewhere),
   # "scatter", "onehot" or "sorted".
   embed_grad: str = "auto"

@@ -7,27 +7,18 @@
     metrics.jsonl        training and evaluation scalars; TensorBoard events beside it
     jax_cache/           JAX's compilation cache (unless compilation_cache_dir says otherwise)
 
-train.py resumes from one; translate, average, visualize and the AOT tools open one.
+train.py resumes from one (training/resume.py checks it first); translate, average, visualize
+and the AOT tools open one (models/trained.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-import ml_collections
-import numpy as np
-from absl import logging
-
-from transformer_jax import checkpoint, config as config_lib, errors, sections
+from transformer_jax import checkpoint, config as config_lib, errors
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.errors import UserError
-from transformer_jax.model import LanguageModel, Transformer
-from transformer_jax.programs import ProgramStore
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -39,13 +30,6 @@ _WRITTEN_BEFORE_CONFIG = {CHECKPOINTS, JAX_CACHE, "tokenizer.model", "vocab.json
 
 class WorkdirError(UserError, ValueError):
   """A directory that is not a (usable) training workdir."""
-
-
-class Opened(NamedTuple):
-  """What decoding or averaging needs of a workdir, read and checked."""
-  config: config_lib.Config
-  tokenizers: Tokenizers
-  model: Transformer | LanguageModel
 
 
 class Workdir:
@@ -110,23 +94,6 @@ class Workdir:
     partial.write_text(json.dumps(cfg.to_dict(), indent=2))
     partial.replace(self.config_file)
 
-  def check_resumable(self, cfg: config_lib.Config | ml_collections.ConfigDict) -> None:
-    """The checks a run of `cfg` in this workdir needs before anything is created: the
-    checkpoints are of the same model, and run.num_steps is not below the latest one's step."""
-    cfg = config_lib.parse(cfg)
-    if self.path.exists() and not self.path.is_dir():
-      raise WorkdirError(f"--workdir {self.path} is a file, not a directory")
-    self.check_is_a_run()
-    steps = self.checkpoint_steps()
-    if steps and self.config_file.exists():
-      saved = self.load_config()
-      check_same_model(saved, cfg)
-      _warn_if_the_learning_rates_move(saved, cfg, steps[-1])
-    if steps and steps[-1] > cfg.run.num_steps:
-      raise WorkdirError(
-          f"run.num_steps={cfg.run.num_steps} is below the latest checkpoint's step "
-          f"({steps[-1]}) in {self.checkpoints}; raise it to train on, or use a new workdir")
-
   def check_is_a_run(self) -> None:
     """Raises WorkdirError unless the directory is missing, empty, or a run's: train.py writes
     into nothing else. A run's holds this project's config.json or, where it stopped before
@@ -161,15 +128,6 @@ class Workdir:
       raise WorkdirError(f"{self.path} holds a {kind[saved]} (model.family={saved!r}): "
                          f"`{command}` needs a {kind[family]}; use `{use}`")
 
-  def open(self) -> Opened:
-    """The run's config, tokenizers and model (no parameters: see `checkpointer`)."""
-    config = self.load_config()
-    tokenizers = self.tokenizers()
-    model = sections.build_model(sections.model_config(
-        config.model, tokenizers.src.vocab_size, tokenizers.tgt.vocab_size,
-        max_len=config.data.max_len))
-    return Opened(config, tokenizers, model)
-
   def checkpointer(self, save_every: int = 1, keep: int = 1,
                    read_only: bool = False) -> checkpoint.Checkpointer:
     if read_only and not self.checkpoints.is_dir():
@@ -178,23 +136,6 @@ class Workdir:
     return checkpoint.Checkpointer(self.checkpoints, save_every, keep, read_only=read_only,
                                    tokenizer_digest=tokenizers and tokenizers.digest())
 
-  def read_params(self, model: Transformer | LanguageModel, mesh, key: str = "params",
-                  step: int | None = None,
-                  programs: ProgramStore = ProgramStore(None)) -> tuple[int, object]:
-    """(step, parameters) of a checkpoint, sharded over `mesh` by their logical names: `step`'s,
-    or the newest that reads back and verifies. `key`: "params" or "ema_params". `programs`:
-    where the model's abstract parameters are kept for later commands (tracing its init takes
-    about 0.5 s on a CPU)."""
-    abstract = programs.value("abstract_params", repr((type(model).__name__, model.cfg)),
-                              lambda: abstract_params(model))
-    ckpt = self.checkpointer(read_only=True)
-    try:
-      if step is None:
-        return ckpt.restore_params_latest(abstract, mesh, key)
-      return step, ckpt.restore_params(step, abstract, mesh, key)
-    finally:
-      ckpt.close()
-
   def copy_run_files(self, to: Path, tokenizers: Tokenizers) -> None:
     """config.json and the tokenizer into the directory `to` (a derived workdir)."""
     to.mkdir(parents=True, exist_ok=True)
@@ -202,48 +143,3 @@ class Workdir:
     tokenizers.save(to)
 
 
-def abstract_params(model: Transformer | LanguageModel):
-  """The model's parameters as shapes and dtypes, still boxed with their logical axis names
-  (the checkpointer turns those into shardings); nothing runs."""
-  dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
-  # The key is made inside, so that nothing here runs (each op run eagerly is a program to
-  # compile or load).
-  return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
-
-
-def check_same_model(saved: config_lib.Config, cfg: config_lib.Config) -> None:
-  """Raises ConfigError if a workdir's saved config describes another model (a resumed run
-  must not restore, say, unscanned parameters into a scanned model)."""
-  saved, cfg = config_lib.parse(saved), config_lib.parse(cfg)
-  before, after = dataclasses.asdict(saved.model), dataclasses.asdict(cfg.model)
-  # How the embedding gradient is formed changes no parameter: a run may resume with another.
-  changed = [f"model.{k}" for k in after if before[k] != after[k] and k != "embed_grad"]
-  shaping = ("dataset", "tokenizer", "vocab_size")
-  if cfg.model.positions == "learned":  # A row of parameters for each position.
-    shaping += ("max_len",)
-  changed += [f"data.{k}" for k in shaping if getattr(saved.data, k) != getattr(cfg.data, k)]
-  if bool(saved.step.ema_decay) != bool(cfg.step.ema_decay):
-    changed.append("step.ema_decay")  # The checkpoints hold a moving average or do not.
-  config_lib.check(not changed, "the workdir's checkpoints are of another model: "
-                   + ", ".join(changed) + f" differ from its {CONFIG}")
-
-
-def _warn_if_the_learning_rates_move(saved: config_lib.Config, cfg: config_lib.Config,
-                                     from_step: int) -> None:
-  """Logs a warning when the run resumed from `from_step` would follow other learning rates
-  than the one in the workdir's config.json (say, a cosine schedule, which spans num_steps,
-  with another num_steps): allowed, as extending a run is, but not silently."""
-  from transformer_jax.train_lib import learning_rate_schedule
-  before = (saved.optimizer, saved.run.num_steps)
-  after = (cfg.optimizer, cfg.run.num_steps)
-  steps = np.arange(from_step, min(before[1], after[1]) + 1)
-  if np.array_equal(learning_rate_schedule(*before)(steps), learning_rate_schedule(*after)(steps)):
-    return
-  changed = [f"optimizer.{k}={v!r} (the run's: {getattr(saved.optimizer, k)!r})"
-             for k, v in dataclasses.asdict(cfg.optimizer).items()
-             if getattr(saved.optimizer, k) != v]
-  if before[1] != after[1]:
-    changed.insert(0, f"run.num_steps={after[1]} (the run's: {before[1]})")
-  logging.warning("%s: the learning rates from the checkpoint of step %d on are not the ones "
-                  "the run was following", ", ".join(changed), from_step)

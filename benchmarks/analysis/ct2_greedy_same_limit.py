@@ -9,8 +9,8 @@ import sys
 import ctranslate2
 import sentencepiece as spm
 
-from transformer_jax.generation import DecodeOptions
-from transformer_jax.translator import Translator, translate_lines
+from transformer_jax.decoding.generation import DecodeOptions
+from transformer_jax.decoding.translator import Translator, translate_lines
 
 workdir, ct2_dir, path = sys.argv[1:4]
 lines = open(path, encoding="utf-8").read().splitlines()

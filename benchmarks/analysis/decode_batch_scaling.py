@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import sources_of_width  # noqa: E402
-from transformer_jax.generation import DecodeOptions  # noqa: E402
-from transformer_jax.translator import Translator, split_pairs  # noqa: E402
+from transformer_jax.decoding.generation import DecodeOptions  # noqa: E402
+from transformer_jax.decoding.translator import Translator, split_pairs  # noqa: E402
 
 
 def main() -> None:

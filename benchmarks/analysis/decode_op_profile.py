@@ -28,9 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import sources_of_width  # noqa: E402
-from transformer_jax import generation, slots  # noqa: E402
+from transformer_jax.decoding import generation, slots  # noqa: E402
 from transformer_jax.commands.translate import read_lines  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("workdir")

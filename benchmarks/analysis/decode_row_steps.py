@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 
-from transformer_jax.generation import DecodeOptions, encode_sources, strip
-from transformer_jax.translator import Translator, translate_lines
+from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip
+from transformer_jax.decoding.translator import Translator, translate_lines
 
 workdir, path = sys.argv[1], sys.argv[2]
 batch_size = int(sys.argv[3]) if len(sys.argv) > 3 else 64

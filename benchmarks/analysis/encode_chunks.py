@@ -36,9 +36,9 @@ def main() -> None:
   import jax
   import numpy as np
 
-  from transformer_jax import slots
-  from transformer_jax.generation import DecodeOptions
-  from transformer_jax.translator import Translator
+  from transformer_jax.decoding import slots
+  from transformer_jax.decoding.generation import DecodeOptions
+  from transformer_jax.decoding.translator import Translator
 
   translator = Translator(args.workdir)
   rng = np.random.default_rng(0)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformer_jax.commands.translate import read_lines  # noqa: E402
 from transformer_jax.data import packing  # noqa: E402
-from transformer_jax.translator import SLOT_WIDTHS  # noqa: E402
+from transformer_jax.decoding.translator import SLOT_WIDTHS  # noqa: E402
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 

@@ -21,10 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 
-from transformer_jax import launch, slots  # noqa: E402
-from transformer_jax.generation import DecodeOptions  # noqa: E402
+from transformer_jax.commands import launch  # noqa: E402
+from transformer_jax.decoding import slots
+from transformer_jax.decoding.generation import DecodeOptions  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
-from transformer_jax.translator import Translator, translate_lines  # noqa: E402
+from transformer_jax.decoding.translator import Translator, translate_lines  # noqa: E402
 
 
 def main() -> None:

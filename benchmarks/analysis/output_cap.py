@@ -5,10 +5,10 @@ not part of the library). Usage, from the repository root:
 with SPLIT validation or tatoeba."""
 import sys, time
 import numpy as np, sacrebleu, sentencepiece as spm
-from transformer_jax import translator as tr_mod
-from transformer_jax.generation import DecodeOptions, encode_sources
-from transformer_jax.translator import translate_lines, split_pairs
-from transformer_jax.translator import Translator
+from transformer_jax.decoding import translator as tr_mod
+from transformer_jax.decoding.generation import DecodeOptions, encode_sources
+from transformer_jax.decoding.translator import translate_lines, split_pairs
+from transformer_jax.decoding.translator import Translator
 
 ratio, beam, alpha, split = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 W = 'runs/rB'

@@ -24,7 +24,8 @@ DEVICES = jax.devices()
 BACKEND_START = time.perf_counter() - START
 
 from transformer_jax import sharding  # noqa: E402
-from transformer_jax.workdir import Workdir, abstract_params  # noqa: E402
+from transformer_jax.models.trained import abstract_params, open_run  # noqa: E402
+from transformer_jax.workdir import Workdir  # noqa: E402
 
 
 def main():
@@ -35,7 +36,7 @@ def main():
   parser.add_argument("--json", help="also write the figures to this file")
   args = parser.parse_args()
   run = Workdir(args.workdir)
-  _, _, model = run.open()
+  _, _, model = open_run(run)
   mesh = sharding.make_mesh((-1, 1, 1))
   abstract = abstract_params(model)
   ckpt = run.checkpointer(read_only=True)

@@ -30,9 +30,10 @@ import jax  # noqa: E402
 
 from benchmarks.analysis.slot_steps import timed_runs  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
-from transformer_jax import launch, slots  # noqa: E402
-from transformer_jax.generation import SPECIALS, DecodeOptions, slot_model  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax.commands import launch  # noqa: E402
+from transformer_jax.decoding import slots
+from transformer_jax.decoding.generation import SPECIALS, DecodeOptions, slot_model  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 
 
 def main():

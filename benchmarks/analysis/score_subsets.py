@@ -4,7 +4,7 @@ Usage: [WORKDIR=runs/rB] PYTHONPATH=. python benchmarks/analysis/score_subsets.p
 import os
 import sys
 import numpy as np, sacrebleu, sentencepiece as spm
-from transformer_jax.translator import split_pairs
+from transformer_jax.decoding.translator import split_pairs
 W = os.environ.get('WORKDIR', 'runs/rB')
 lines, refs = split_pairs(W, 'validation')
 sp = spm.SentencePieceProcessor(model_file=W + '/tokenizer.model')

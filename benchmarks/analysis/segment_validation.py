@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import sacrebleu
 
-from transformer_jax.generation import DecodeOptions
-from transformer_jax.translator import split_pairs, translate_lines
-from transformer_jax.translator import Translator
+from transformer_jax.decoding.generation import DecodeOptions
+from transformer_jax.decoding.translator import split_pairs, translate_lines
+from transformer_jax.decoding.translator import Translator
 
 workdir, out = sys.argv[1], Path(sys.argv[2])
 out.mkdir(parents=True, exist_ok=True)

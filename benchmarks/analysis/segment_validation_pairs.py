@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import sacrebleu
 
-from transformer_jax import sentences
-from transformer_jax.generation import DecodeOptions
-from transformer_jax.translator import split_pairs, translate_lines
-from transformer_jax.translator import Translator
+from transformer_jax.decoding import sentences
+from transformer_jax.decoding.generation import DecodeOptions
+from transformer_jax.decoding.translator import split_pairs, translate_lines
+from transformer_jax.decoding.translator import Translator
 
 workdir, whole_path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 lines, refs = split_pairs(workdir, "validation")

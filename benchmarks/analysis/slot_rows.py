@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 
-from transformer_jax import slots  # noqa: E402
-from transformer_jax.generation import DecodeOptions, encode_sources, strip  # noqa: E402
+from transformer_jax.decoding import slots  # noqa: E402
+from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 
 
 def main():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformer_jax.generation import DecodeOptions, encode_sources  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax.decoding.generation import DecodeOptions, encode_sources  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 
 
 def main():

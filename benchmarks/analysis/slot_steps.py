@@ -28,9 +28,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.machine import cpu_model  # noqa: E402
-from transformer_jax import slots  # noqa: E402
-from transformer_jax.generation import SPECIALS, slot_model  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax.decoding import slots  # noqa: E402
+from transformer_jax.decoding.generation import SPECIALS, slot_model  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 
 
 def timed_runs(translator, decoder, width: int, steps: int, repeats: int,

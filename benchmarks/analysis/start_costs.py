@@ -34,7 +34,7 @@ def _report() -> None:
 
 monitoring.register_event_duration_secs_listener(_record)
 import transformer_jax.__main__ as front  # noqa: E402
-from transformer_jax import translator  # noqa: E402, F401 -- the package's heavy imports.
+from transformer_jax.decoding import translator  # noqa: E402, F401 -- the package's heavy imports.
 
 IMPORTED = time.perf_counter()
 atexit.register(_report)

@@ -40,10 +40,10 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from benchmarks.common import sources_of_width  # noqa: E402
-from transformer_jax import decode, slots  # noqa: E402
+from transformer_jax.decoding import search, slots  # noqa: E402
 from transformer_jax.commands.translate import read_lines  # noqa: E402
-from transformer_jax.generation import SPECIALS, slot_model  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
+from transformer_jax.decoding.generation import SPECIALS, slot_model  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 
 
 def fastest(variants: dict, rounds: int, calls: int) -> dict[str, float]:
@@ -66,10 +66,10 @@ def fastest(variants: dict, rounds: int, calls: int) -> dict[str, float]:
 
 
 def moved_rows(args) -> None:
-  """Counts the rows each beam step's copy moves (decode._copy_parents, wrapped to report)."""
+  """Counts the rows each beam step's copy moves (search._copy_parents, wrapped to report)."""
   counts = collections.Counter()
   running = {}
-  copy_parents, step_all = decode._copy_parents, slots.SlotDecoder._step_all
+  copy_parents, step_all = search._copy_parents, slots.SlotDecoder._step_all
 
   def report(moved, in_running, past_first, rows):
     counts.update(moved=int(moved), running=int(in_running), past_first=int(past_first),
@@ -93,7 +93,7 @@ def moved_rows(args) -> None:
   if not len(src):
     sys.exit(f"{args.input} has no source whose tokens round up to {args.width} (a multiple "
              "of 8)")
-  decode._copy_parents, slots.SlotDecoder._step_all = counted_copy, noted_step
+  search._copy_parents, slots.SlotDecoder._step_all = counted_copy, noted_step
   decoder = slots.SlotDecoder(slot_model(translator.model), translator.params, args.slots,
                               args.width, args.width + 10, SPECIALS, beam_size=4, alpha=1.0,
                               run_ratio=slots.RUN_RATIO["file"])
@@ -151,9 +151,9 @@ def row_copies(args) -> None:
   steps = rng.integers(0, 20, b)  # Each search's step before this one.
   written = jnp.asarray(np.repeat(np.where(steps > 0, steps + 1, 0), k).astype(np.int32))
   parents = jnp.asarray(parents.astype(np.int32))
-  loop = jax.jit(lambda t, p: decode._copy_parents(t, p, jnp.int32(length), -2),
+  loop = jax.jit(lambda t, p: search._copy_parents(t, p, jnp.int32(length), -2),
                  donate_argnums=0)
-  gather = jax.jit(lambda t, p: decode._copy_parents(t, p, copy="gather"), donate_argnums=0)
+  gather = jax.jit(lambda t, p: search._copy_parents(t, p, copy="gather"), donate_argnums=0)
   eighths = jax.jit(copy_own_prefix, donate_argnums=0)
   quarters = jax.jit(functools.partial(copy_own_prefix, fractions=(4, 2, 1)), donate_argnums=0)
 

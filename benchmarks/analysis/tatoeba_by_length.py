@@ -10,7 +10,7 @@ import numpy as np
 import sacrebleu
 import sentencepiece as spm
 
-from transformer_jax import sentences
+from transformer_jax.decoding import sentences
 
 D = "../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng."
 src = open(D + "eng").read().splitlines()

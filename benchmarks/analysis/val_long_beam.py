@@ -16,7 +16,7 @@ import sacrebleu
 import sentencepiece as spm
 from sacrebleu.metrics import BLEU
 
-from transformer_jax.translator import split_pairs
+from transformer_jax.decoding.translator import split_pairs
 
 W = "runs/rB"
 lines, refs = split_pairs(W, "validation")

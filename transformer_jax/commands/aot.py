@@ -5,7 +5,7 @@
   python -m transformer_jax aot --install_cudnn   # cuDNN attention for GPU targets
 
 Exit status 0 when every program fits the chip's memory, 3 when one does not, 1 on bad input.
-Reads transformer_jax/aot.py for what is compiled and reported.
+Reads transformer_jax/training/aot.py for what is compiled and reported.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from transformer_jax import aot, errors, fs
+from transformer_jax import errors, fs
+from transformer_jax.training import aot
 
 
 def main(argv):
@@ -89,6 +90,6 @@ def run() -> None:
     import jax
     jax.devices()
   from absl import app
-  from transformer_jax import launch
+  from transformer_jax.commands import launch
   define_flags()
   app.run(main, flags_parser=launch.flags_parser(__name__))

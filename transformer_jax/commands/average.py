@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from transformer_jax import errors, launch
-from transformer_jax.average import AverageError, average_checkpoints
+from transformer_jax import errors
+from transformer_jax.commands import launch
+from transformer_jax.training.average import AverageError, average_checkpoints
 
 
 def define_flags() -> None:

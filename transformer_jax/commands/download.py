@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from transformer_jax import errors, launch
+from transformer_jax import errors
+from transformer_jax.commands import launch
 from transformer_jax.data.download import SETS, DownloadError, download
 
 

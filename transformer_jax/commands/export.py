@@ -14,8 +14,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import errors, launch  # noqa: E402
-from transformer_jax.export import FORMATS, ExportError, export  # noqa: E402
+from transformer_jax import errors  # noqa: E402
+from transformer_jax.commands import launch
+from transformer_jax.serving.export import FORMATS, ExportError, export  # noqa: E402
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 

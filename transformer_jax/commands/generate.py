@@ -21,9 +21,11 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import decode, errors, fs, launch  # noqa: E402
+from transformer_jax import errors, fs  # noqa: E402
+from transformer_jax.commands import launch
+from transformer_jax.decoding import search
 from transformer_jax.commands.translate import check_output_path, read_lines  # noqa: E402
-from transformer_jax.generation import InferenceError  # noqa: E402
+from transformer_jax.decoding.generation import InferenceError  # noqa: E402
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 
@@ -45,16 +47,16 @@ def define_flags():
 
 
 def sampler_of(temperature: float | None, top_k: int, top_p: float):
-  """decode.Greedy, or decode.Sampling where any sampling flag is given; checked."""
+  """search.Greedy, or search.Sampling where any sampling flag is given; checked."""
   if temperature is None and not top_k and top_p == 1.0:
-    return decode.Greedy()
+    return search.Greedy()
   if temperature is not None and temperature <= 0:
     raise InferenceError(f"--temperature must be positive, got {temperature}")
   if top_k < 0:
     raise InferenceError(f"--top_k must be 0 (all) or positive, got {top_k}")
   if not 0 < top_p <= 1:
     raise InferenceError(f"--top_p must be in (0, 1], got {top_p}")
-  return decode.Sampling(temperature=1.0 if temperature is None else temperature, top_k=top_k,
+  return search.Sampling(temperature=1.0 if temperature is None else temperature, top_k=top_k,
                          top_p=top_p)
 
 
@@ -82,7 +84,7 @@ def main(argv):
         raise InferenceError(f"--output {FLAGS.output} is inside the workdir {FLAGS.workdir}: "
                              "name a file outside it (its files are the run's)")
     Workdir(FLAGS.workdir).check_family("decoder_only", "generate")
-    from transformer_jax.completer import Completer  # The model loads after the checks.
+    from transformer_jax.decoding.completer import Completer  # The model loads after the checks.
     launch.use_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache_dir)
     completer = Completer(FLAGS.workdir, FLAGS.step)
     texts = completer.complete(prompts, FLAGS.max_new_tokens, sampler, FLAGS.seed)

@@ -24,7 +24,8 @@ import socket  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from transformer_jax import errors, launch  # noqa: E402
+from transformer_jax import errors  # noqa: E402
+from transformer_jax.commands import launch
 from transformer_jax.errors import UserError  # noqa: E402
 
 
@@ -135,12 +136,12 @@ def main(argv):
       raise ServeError(f"--beam_sizes must be at least 1, got {FLAGS.beam_sizes}")
     try:  # The server's libraries: imported once the flags are known good.
       import uvicorn
-      from transformer_jax.server import Service, Settings, create_app
+      from transformer_jax.serving.server import Service, Settings, create_app
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'transformer_jax[serve]'") from None
     from transformer_jax.programs import ProgramStore
-    from transformer_jax.translator import Translator
+    from transformer_jax.decoding.translator import Translator
     from transformer_jax.workdir import Workdir
     for workdir in FLAGS.workdir:  # The server answers translation requests only.
       Workdir(workdir).check_family("encoder_decoder", "serve")

@@ -12,7 +12,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from transformer_jax import errors, launch  # noqa: E402
+from transformer_jax import errors  # noqa: E402
+from transformer_jax.commands import launch
 
 
 def define_flags() -> None:
@@ -39,7 +40,8 @@ def main(argv):
     logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
     launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,
                                   F.distributed)
-    from transformer_jax import trainer  # jax and the data stack load after the flags parse.
+    # jax and the data stack load after the flags parse.
+    from transformer_jax.training import trainer
     trainer.train_and_evaluate(F.config, F.workdir)
 
 

@@ -31,13 +31,15 @@ from absl import app, flags, logging  # noqa: E402
 
 import jax  # noqa: E402
 
-from transformer_jax import errors, fs, launch, slots  # noqa: E402
-from transformer_jax.decode import BEAM_STOPS  # noqa: E402
-from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
+from transformer_jax import errors, fs  # noqa: E402
+from transformer_jax.commands import launch
+from transformer_jax.decoding import slots
+from transformer_jax.decoding.search import BEAM_STOPS  # noqa: E402
+from transformer_jax.decoding.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
-from transformer_jax.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
-                                        translate_lines)
+from transformer_jax.decoding.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
+                                                 translate_lines)
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 

@@ -16,8 +16,9 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import errors, fs, launch  # noqa: E402
-from transformer_jax.generation import DecodeOptions, InferenceError  # noqa: E402
+from transformer_jax import errors, fs  # noqa: E402
+from transformer_jax.commands import launch
+from transformer_jax.decoding.generation import DecodeOptions, InferenceError  # noqa: E402
 
 
 def define_flags() -> None:
@@ -36,7 +37,7 @@ def main(argv):
     if not argv[1].strip():
       raise InferenceError("the sentence is empty")
     fs.check_writable(FLAGS.out, "--out")
-    from transformer_jax import heatmaps  # matplotlib and the model load after the checks.
+    from transformer_jax.decoding import heatmaps  # matplotlib and the model load after the checks.
     translator = heatmaps.Translator(FLAGS.workdir, FLAGS.step)
     src_tokens, tgt_tokens, maps = heatmaps.attention_maps(translator, argv[1])
     print("translation:", translator.translate([argv[1]], DecodeOptions(beam_size=1))[0])

@@ -17,6 +17,7 @@ from absl import logging
 
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
+from transformer_jax.models.trained import read_params
 from transformer_jax.workdir import Workdir
 
 # Model fields that change what is computed but not the parameters' names or shapes.
@@ -59,7 +60,7 @@ def start_from(state, source: Workdir, model, mesh, shardings):
   one, starts from them too."""
   saved = source.load_config()
   key = "ema_params" if saved.step.ema_decay > 0 else "params"
-  step, params = source.read_params(model, mesh, key)
+  step, params = read_params(source, model, mesh, key)
   params = jax.device_put(params, shardings.params)
   ema = None if state.ema_params is None else jax.device_put(params, shardings.ema_params)
   logging.info("Starting from the %s of step %d of %s, with a fresh optimizer state",

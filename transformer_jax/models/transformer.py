@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from transformer_jax import embedding, sharding, splash
+from transformer_jax import sharding
+from transformer_jax.models import embedding, splash
 from transformer_jax.config import ModelConfig
 
 REMAT_POLICIES = {"none": None, "full": None,
@@ -490,7 +491,7 @@ class ScannedDecoder(nn.Module):
 
 class Embed(nn.Module):
   """A token embedding table [V, D] ("embedding", as nn.Embed names it) and its lookup, the
-  table's gradient formed as `cfg.embed_grad` says (transformer_jax/embedding.py)."""
+  table's gradient formed as `cfg.embed_grad` says (transformer_jax/models/embedding.py)."""
   cfg: TransformerConfig
   vocab_size: int
 

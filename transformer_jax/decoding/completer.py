@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from transformer_jax import decode, sharding
+from transformer_jax import sharding
+from transformer_jax.decoding import search
 from transformer_jax.data.tokenizer import BOS, EOS
-from transformer_jax.generation import InferenceError, continue_prompts
+from transformer_jax.decoding.generation import InferenceError, continue_prompts
+from transformer_jax.models import trained
 from transformer_jax.workdir import Workdir
 
 
@@ -24,9 +26,9 @@ class Completer:
   def __init__(self, workdir: str | Path, step: int | None = None):
     run = Workdir(workdir)
     run.check_family("decoder_only", "generate")
-    config, tokenizers, self.model = run.open()
+    config, tokenizers, self.model = trained.open_run(run)
     self.config, self.tokenizer, self.max_len = config, tokenizers.tgt, config.data.max_len
-    self.step, self.params = run.read_params(self.model, sharding.make_mesh((-1, 1, 1)),
+    self.step, self.params = trained.read_params(run, self.model, sharding.make_mesh((-1, 1, 1)),
                                              "ema_params" if config.step.ema_decay > 0
                                              else "params", step)
     logging.info("Restored step %d from %s", self.step, run.checkpoints)
@@ -47,7 +49,7 @@ class Completer:
       rows.append([BOS] + list(ids))
     return rows
 
-  def complete(self, prompts: list[str], max_new_tokens: int, sampler=decode.Greedy(),
+  def complete(self, prompts: list[str], max_new_tokens: int, sampler=search.Greedy(),
                seed: int = 0) -> list[str]:
     """Each prompt's continuation as text (up to <eos>, `max_new_tokens` or the model's
     max_len, whichever comes first). With a seed, prompt i of the list draws the same text

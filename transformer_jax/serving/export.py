@@ -12,7 +12,7 @@ a float32 model when it loads it (`compute_type`).
 
 `jax`: serialized `jax.export` programs of the jitted decoder, greedy and beam search, for a
 few source widths (any batch size), the parameters as `params.npz` and the SentencePiece
-model; `transformer_jax.exported.ExportedTranslator` runs them with jax, NumPy and
+model; `transformer_jax.serving.exported.ExportedTranslator` runs them with jax, NumPy and
 SentencePiece only.
 
 Either is built in a new directory beside OUT (`.OUT.partial-XXXX`) and renamed to OUT when
@@ -30,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from transformer_jax import fs, generation
+from transformer_jax import fs
+from transformer_jax.decoding import generation
 from transformer_jax.data.tokenizer import BOS, EOS, PAD, SPM_FILE, UNK, SentencePiece
 from transformer_jax.errors import UserError
-from transformer_jax.model import sinusoidal_positions
-from transformer_jax.translator import Translator
+from transformer_jax.models.transformer import sinusoidal_positions
+from transformer_jax.decoding.translator import Translator
 
 FORMATS = ("ctranslate2", "jax")
 # The weight types CTranslate2's converter stores (`--quantization`).

@@ -10,9 +10,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax.data.tokenizer import Tokenizers
-from transformer_jax.generation import encode_sources, generate, strip
+from transformer_jax.decoding.generation import encode_sources, generate, strip
 from transformer_jax.metrics import corpus_bleu
-from transformer_jax.model import Transformer
+from transformer_jax.models.transformer import Transformer
 
 
 class BleuEval:

@@ -23,9 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
-from transformer_jax.generation import DecodeOptions, encode_sources, strip  # noqa: E402
-from transformer_jax.translator import Translator  # noqa: E402
-from transformer_jax.model import Transformer  # noqa: E402
+from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
+from transformer_jax.models.transformer import Transformer  # noqa: E402
 
 
 KINDS = {"encoder": "self_attention", "decoder": "self_attention", "cross": "cross_attention"}

@@ -13,24 +13,25 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from transformer_jax import (aot, config as config_lib, errors, finetune, flops as flops_lib,
-                             fs, preemption as preemption_lib, sections, sharding, train_lib,
-                             writers)
-from transformer_jax.bleu_eval import BleuEval
+from transformer_jax import config as config_lib, errors, fs, sharding
+from transformer_jax.models import build, flops as flops_lib
+from transformer_jax.training import (aot, checks, finetune, preemption as preemption_lib, resume,
+                                      steps as step_lib, writers)
+from transformer_jax.training.bleu_eval import BleuEval
 from transformer_jax.data import documents, pipeline
 from transformer_jax.workdir import Workdir
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
-                       workdir: str) -> train_lib.TrainState:
+                       workdir: str) -> step_lib.TrainState:
   """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`."""
   # Every check that can fail comes before anything is prepared, compiled or written.
-  cfg = sections.validated(config)
+  cfg = checks.validated(config)
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
   lm = cfg.model.family == "decoder_only"  # A language model: documents, not sentence pairs.
-  mesh = sections.checked_mesh(cfg)
+  mesh = checks.checked_mesh(cfg)
   run_dir = Workdir(workdir)
-  run_dir.check_resumable(cfg)
+  resume.check_resumable(run_dir, cfg)
   workdir = run_dir.path
   fs.check_writable(workdir, "--workdir")
   # Fine-tuning reads the other run only while this one has no checkpoint of its own.
@@ -48,13 +49,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   workdir.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir",
                     run.compilation_cache_dir or str(run_dir.jax_cache))
-  model = sections.build_model(sections.model_config(
+  model = build.build_model(build.model_config(
       cfg.model, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size,
       max_len=data_cfg.max_len))
-  state, state_shardings = train_lib.create_train_state(
-      model, train_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
+  state, state_shardings = step_lib.create_train_state(
+      model, step_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
       data_cfg.max_len, ema=cfg.step.ema_decay > 0)
-  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, cfg.step)
+  p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step)
   if run.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
     p_train = aot.load_train_step(run.compiled_train_step, p_train, state, mesh,
                                   data_cfg.batch_size, data_cfg.max_len)
@@ -98,7 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
     writer.write_hparams({f"{name}.{k}": v for name, fields in cfg.to_dict().items()
                            for k, v in fields.items()})
   progress = writers.Progress(run.num_steps, start)
-  schedule = train_lib.learning_rate_schedule(cfg.optimizer, run.num_steps)
+  schedule = step_lib.learning_rate_schedule(cfg.optimizer, run.num_steps)
   bleu_eval = data.bleu_pairs and BleuEval(
       model, data.tokenizers, data.bleu_pairs, data_cfg.max_len, ev.batch_size)
   # Each batch's model FLOPs (this host's rows), counted as it goes to the devices, in order.
@@ -111,14 +112,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
 
   batches = pipeline.Prefetched(stream, to_devices)
   capacity = data_cfg.batch_size * data_cfg.max_len
-  guard = train_lib.NonFiniteGuard(run.nonfinite, run.max_nonfinite_in_row)
+  guard = step_lib.NonFiniteGuard(run.nonfinite, run.max_nonfinite_in_row)
   errors.raise_if_interrupted()  # From here on a signal stops the loop with a checkpoint.
   preemption = preemption_lib.Preemption(multi_process=hosts > 1)
 
   def save(step):
     guard.check()  # Raises before a state with a dropped (non-finite) step in `stop` mode.
-    if not train_lib.all_finite((state.params, state.ema_params)):
-      raise train_lib.NonFiniteError(f"the parameters at step {step} are not finite: not saved")
+    if not step_lib.all_finite((state.params, state.ema_params)):
+      raise step_lib.NonFiniteError(f"the parameters at step {step} are not finite: not saved")
     ckpt.save(step, state, batches.state, force=True)
 
   try:
@@ -148,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
           history = []
         if step % ev.every == 0 or step == run.num_steps:
           eval_start = time.perf_counter()
-          result = train_lib.summarize_eval(
+          result = step_lib.summarize_eval(
               [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data], per_char)
           if bleu_eval:
             result["bleu"], examples = bleu_eval(state.eval_params())

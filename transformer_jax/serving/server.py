@@ -31,11 +31,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from transformer_jax import errors, sentences as sentences_lib, slots
-from transformer_jax.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
+from transformer_jax import errors
+from transformer_jax.decoding import sentences as sentences_lib, slots
+from transformer_jax.serving.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
-from transformer_jax.generation import DecodeOptions, strip
-from transformer_jax.translator import Translator, batch_rows
+from transformer_jax.decoding.generation import DecodeOptions, strip
+from transformer_jax.decoding.translator import Translator, batch_rows
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0

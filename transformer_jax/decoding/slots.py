@@ -1,7 +1,7 @@
 """Decoding slots (continuous batching): a fixed number of searches over preallocated caches,
 which sentences enter as others end, so that every decoder step computes rows still needed.
 
-A batch decoder (decode.py) runs a batch until its longest output ends: the rows that ended
+A batch decoder (search.py) runs a batch until its longest output ends: the rows that ended
 earlier go on computing padding, and a beam search waits for its slowest sentence. Here a
 `SlotDecoder` keeps `slots` searches (one row each greedy or sampled, K rows for a beam of K),
 each with its own step, output limit and source, and compiled programs that a host loop
@@ -31,7 +31,7 @@ come (a file's, or a server's requests') and come out as they finish; several st
 decoder (each with its own state) may run in threads of their own at once, sharing its
 programs (`decode_all`'s lanes). A sentence's tokens and scores are those the batch decoders
 give it (its output limit is its own: the caller's `limits`); sampling draws each sentence's
-tokens from keys of its item number and step (decode.row_keys), so they do not depend on its
+tokens from keys of its item number and step (search.row_keys), so they do not depend on its
 neighbours either.
 """
 
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode
+from transformer_jax.decoding import search
 from transformer_jax.programs import ProgramStore
 
 
@@ -195,8 +195,8 @@ class SlotDecoder:
   tokens, outputs of up to `max_len`."""
 
   def __init__(self, model: SlotModel, params, slots: int, width: int, max_len: int,
-               specials: decode.Specials, beam_size: int = 1, alpha: float = 0.6,
-               sampler=decode.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
+               specials: search.Specials, beam_size: int = 1, alpha: float = 0.6,
+               sampler=search.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
                programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
                row_copy: str | None = None, encode_tokens: int | None = None,
                scores: bool = True, run_ratio: int = RUN_RATIO["server"]):
@@ -204,7 +204,7 @@ class SlotDecoder:
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
     the platform's, MIN_ROWS_FRACTION), the sizes above it each `run_ratio` times the next
     (RUN_RATIO). `row_copy`: how moved beams' cache rows and new sources are copied into
-    place (default: the platform's, decode.ROW_COPIES).
+    place (default: the platform's, search.ROW_COPIES).
     `encode_tokens`: the source tokens the encoder computes at once (0: a batch whole;
     default: the platform's, ENCODE_TOKENS). `scores`: whether greedy searches (and sampling)
     compute their outputs' scores (DecodeOptions.scores; without, each score is 0); beam search
@@ -214,7 +214,7 @@ class SlotDecoder:
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng
-    self.row_copy = row_copy or decode.row_copy(jax.default_backend())
+    self.row_copy = row_copy or search.row_copy(jax.default_backend())
     describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
                      self.row_copy, self.scores))
@@ -301,7 +301,7 @@ class SlotDecoder:
                    done=jnp.zeros((u,), bool), logprob=jnp.zeros((u,), jnp.float32),
                    out=jnp.full((u, self.max_len), self.specials.pad, jnp.int32))
     else:
-      fresh["beams"] = decode.initial_beams(u, self.k, self.max_len, self.specials)
+      fresh["beams"] = search.initial_beams(u, self.k, self.max_len, self.specials)
     return fresh
 
   def _refill_fn(self, state, sources, take, limits, items, alpha):
@@ -310,7 +310,7 @@ class SlotDecoder:
     is dropped)."""
     fill = take >= 0
     state = dict(state)
-    if self.row_copy == "gather":  # Every slot's row at once (decode.ROW_COPIES).
+    if self.row_copy == "gather":  # Every slot's row at once (search.ROW_COPIES).
       rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(take, 0), axis=0), sources)
       state["sources"] = _where(fill, rows, state["sources"])
     else:
@@ -354,8 +354,8 @@ class SlotDecoder:
     if self.k == 1:
       ended = state["done"]
     else:
-      penalty = decode.length_penalty(state["limits"], state["alpha"])
-      ended = decode.beam_done((None, *state["beams"], None), penalty, self.beam_stop)
+      penalty = search.length_penalty(state["limits"], state["alpha"])
+      ended = search.beam_done((None, *state["beams"], None), penalty, self.beam_stop)
     return state["active"] & (ended | at_limit)
 
   def _run_fn(self, params, state, min_free, max_steps, rows: int):
@@ -400,8 +400,8 @@ class SlotDecoder:
     step = lambda tokens, cache: model.step(params, tokens, cache, state["sources"], index)
     state = dict(state)
     if k == 1:
-      keys = decode.row_keys(self.rng, state["items"], t)
-      cache, token, done, logprob = decode.sample_step(
+      keys = search.row_keys(self.rng, state["items"], t)
+      cache, token, done, logprob = search.sample_step(
           step, state["cache"], state["last"], ~running, state["logprob"], self.specials,
           self.sampler, keys, scores=self.scores)
       at = (jnp.arange(self.max_len)[None, :] == t[:, None]) & running[:, None]
@@ -413,11 +413,11 @@ class SlotDecoder:
       old = (t, *state["beams"], state["cache"])
       # Only the running searches' rows are read again: what they wrote is what a moved
       # beam copies.
-      new = decode.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop,
+      new = search.beam_step(step, old, self.specials, state["alpha"], k, self.beam_stop,
                              positions_axis=self.model.cache_positions,
                              written=jnp.max(jnp.where(running, t, 0)) + 1,
                              copy=self.row_copy)
-      new = decode.keep_beams(~running, old, new)
+      new = search.keep_beams(~running, old, new)
       state.update(beams=new[1:6], cache=new[6])
     state["t"] = t + running
     return state
@@ -474,14 +474,14 @@ class SlotDecoder:
     return state, box, ended, next_row, state["active"], state["items"], steps
 
   def _results_fn(self, state):
-    """(tokens [U, K, L], scores [U, K]) of every slot, as decode.py's batch decoders give them
+    """(tokens [U, K, L], scores [U, K]) of every slot, as search.py's batch decoders give them
     (meaningful for the searches that finished)."""
     if self.k == 1:
       length = jnp.sum(state["out"] != self.specials.pad, axis=-1)
-      scores = state["logprob"] / decode.length_penalty(length, state["alpha"])
+      scores = state["logprob"] / search.length_penalty(length, state["alpha"])
       return state["out"][:, None], scores[:, None]
-    penalty = decode.length_penalty(state["limits"], state["alpha"])
-    return decode.final_beams(*state["beams"], penalty, self.specials)
+    penalty = search.length_penalty(state["limits"], state["alpha"])
+    return search.final_beams(*state["beams"], penalty, self.specials)
 
   # --- the host loop -----------------------------------------------------------------------
 

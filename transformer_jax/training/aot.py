@@ -6,8 +6,8 @@ that has neither, and reports what they need of each chip.
       --config.run.mesh_shape="(2,4,1)" --json OUT/big_h100.json
 
 The programs are the ones train.py runs, built by the same library calls: the train state's
-shapes and shardings (`train_lib.abstract_train_state`), the jitted train and eval steps with
-their donation and step config (`train_lib.jit_steps`), and the beam-search decoder of
+shapes and shardings (`step_lib.abstract_train_state`), the jitted train and eval steps with
+their donation and step config (`step_lib.jit_steps`), and the beam-search decoder of
 translate. No device, no data and no tokenizer is needed: the vocabulary is the config's
 `vocab_size` (the joint SentencePiece model has exactly that many pieces).
 
@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformer_jax import fs, hlo as hlo_lib
+from transformer_jax import fs
+from transformer_jax.training import hlo as hlo_lib
 from transformer_jax.errors import UserError
 
 PLUGINS_ENV = "TRANSFORMER_JAX_AOT_PLUGINS"
@@ -287,7 +288,7 @@ _WHILE = re.compile(r"\swhile\(")
 def while_loops(hlo_text: str) -> int:
   """The while loops of an optimized HLO module (nested ones included). On a GPU each pass of
   a loop is its own launches: the decoder's search is one loop; a loop per beam step over the
-  cache rows that moved (a CPU's copy, decode.ROW_COPIES) would be more."""
+  cache rows that moved (a CPU's copy, search.ROW_COPIES) would be more."""
   return len(_WHILE.findall(hlo_text))
 
 
@@ -348,17 +349,18 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   `hlo_dir`: write each program's optimized HLO there as PROGRAM.hlo.txt."""
   import jax
   import numpy as np
-  from transformer_jax import (config as config_lib, flops as flops_lib, sections, sharding,
-                               train_lib)
-  cfg = sections.validated(config)
+  from transformer_jax import config as config_lib, sharding
+  from transformer_jax.models import build, flops as flops_lib
+  from transformer_jax.training import checks, steps as step_lib
+  cfg = checks.validated(config)
   data = cfg.data
   devices = target.devices()
   try:
-    mesh = sections.checked_mesh(cfg, devices)
+    mesh = checks.checked_mesh(cfg, devices)
   except config_lib.ConfigError as e:
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
   vocab = data.vocab_size
-  model_cfg = sections.model_config(cfg.model, vocab, vocab, platform=target.platform,
+  model_cfg = build.model_config(cfg.model, vocab, vocab, platform=target.platform,
                                     max_len=data.max_len)
   documents = model_cfg.family == "decoder_only"
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu" and not cudnn_found():
@@ -367,11 +369,11 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
         f"{model_cfg.dtype} on a GPU) needs cuDNN's library to compile; install it with: "
         f"{install_command('cudnn', plugins_dir())} (or compile XLA's attention: "
         "--config.model.attention_impl=xla)")
-  model = sections.build_model(model_cfg)
-  tx = train_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
-  state, state_shardings = train_lib.abstract_train_state(
+  model = build.build_model(model_cfg)
+  tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
+  state, state_shardings = step_lib.abstract_train_state(
       model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
-  p_train, p_eval = train_lib.jit_steps(state_shardings, mesh, cfg.step)
+  p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step)
   n = len(devices)
   report = {
       "target": target.name, "platform": target.platform, "chip": target.chip,
@@ -475,7 +477,7 @@ def _save_executable(compiled, lowered, target: Target, num_devices: int, path: 
 
 def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max_len: int):
   """The train step compiled ahead of time and saved at `path` (`--save_train_step`), loaded in
-  place of `p_train` (train_lib.jit_steps's), which it must equal: the same program (config,
+  place of `p_train` (step_lib.jit_steps's), which it must equal: the same program (config,
   shardings, mesh, jax) for this host's platform and device count.
 
   Raises:
@@ -511,12 +513,13 @@ def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max
 def _decoder(model, param_shardings, mesh, max_len: int, beam_size: int, platform: str):
   """translate's decoder (generation.generate) jitted over `mesh`: source rows split over the
   data-parallel devices, parameters placed as in training, beams' rows copied as on
-  `platform` (decode.ROW_COPIES)."""
+  `platform` (search.ROW_COPIES)."""
   import jax
-  from transformer_jax import decode, sharding
-  from transformer_jax.generation import generate
+  from transformer_jax import sharding
+  from transformer_jax.decoding import search
+  from transformer_jax.decoding.generation import generate
   return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size,
-                                   row_copy=decode.row_copy(platform)),
+                                   row_copy=search.row_copy(platform)),
                  in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.batch_sharding(mesh))
 

@@ -21,9 +21,11 @@ from pathlib import Path
 import jax
 from absl import logging
 
-from transformer_jax import checkpoint, errors, fs, sharding, train_lib
+from transformer_jax import checkpoint, errors, fs, sharding
+from transformer_jax.training import steps as step_lib
 from transformer_jax.errors import UserError
-from transformer_jax.workdir import Opened, Workdir
+from transformer_jax.models.trained import Opened, open_run
+from transformer_jax.workdir import Workdir
 
 
 class AverageError(UserError, ValueError):
@@ -34,8 +36,8 @@ def state_of(run: Opened):
   """(train state, its shardings) of the kind a workdir's checkpoints hold, on this machine's
   devices: what to restore them into."""
   config = run.config
-  return train_lib.create_train_state(
-      run.model, train_lib.make_optimizer(config.optimizer, config.run.num_steps),
+  return step_lib.create_train_state(
+      run.model, step_lib.make_optimizer(config.optimizer, config.run.num_steps),
       config.run.seed, sharding.make_mesh((-1, 1, 1)), config.data.max_len,
       ema=config.step.ema_decay > 0)
 
@@ -50,7 +52,7 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
     raise AverageError(f"{output} exists; name a new directory for the averaged workdir")
   source_dir.load_config()  # Raises first where the workdir is none.
   fs.check_writable(output, "--output")
-  run = source_dir.open()
+  run = open_run(source_dir)
   source = source_dir.checkpointer(read_only=True)
   steps = sorted(source.manager.all_steps())[-last:]
   if len(steps) < last:

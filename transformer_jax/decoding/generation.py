@@ -1,4 +1,4 @@
-"""Generation glue between the model and decode.py: encode the source once into a cache,
+"""Generation glue between the model and search.py: encode the source once into a cache,
 then decode greedily, by sampling or by beam search; source sentences to padded id arrays.
 A language model continues prompts (`continue_prompts`)."""
 
@@ -13,12 +13,12 @@ import numpy as np
 from absl import logging
 from jax import lax
 
-from transformer_jax import decode, slots
+from transformer_jax.decoding import search, slots
 from transformer_jax.errors import UserError
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
-from transformer_jax.model import LanguageModel, Transformer
+from transformer_jax.models.transformer import LanguageModel, Transformer
 
-SPECIALS = decode.Specials(bos=BOS, eos=EOS, pad=PAD)
+SPECIALS = search.Specials(bos=BOS, eos=EOS, pad=PAD)
 
 
 class InferenceError(UserError, ValueError):
@@ -31,7 +31,7 @@ class DecodeOptions:
   alpha: float = 0.6  # GNMT length penalty, beam search only.
   max_len_margin: int = 10  # Decode up to source length + margin tokens ...
   max_len: int = 0  # ... or exactly this many, when positive.
-  beam_stop: str = "first_k"  # When a beam search ends: decode.BEAM_STOPS.
+  beam_stop: str = "first_k"  # When a beam search ends: search.BEAM_STOPS.
   # Whether decoding slots compute greedy outputs' scores (their log-probabilities, a
   # log-softmax over the vocabulary at every step); without, the scores are 0. Beam search
   # ranks its beams by them and always computes them.
@@ -60,12 +60,12 @@ def _members(model, params) -> tuple[tuple[Transformer, ...], tuple]:
 
 def _tokens_only(logits, vocab: int | None):
   """Logits [..., V] cut to the tokenizer's `vocab` ids (None: all): the model's vocabulary is
-  padded (sections.padded_vocab), and its extra ids are no tokens."""
+  padded (build.padded_vocab), and its extra ids are no tokens."""
   return logits if vocab is None else logits[..., :vocab]
 
 
 def decoder(model, params, src, max_len: int, vocab: int | None = None):
-  """(tokens_to_logits, cache) for decode.py over the sources src [B, S], with `max_len` cached
+  """(tokens_to_logits, cache) for search.py over the sources src [B, S], with `max_len` cached
   positions per row. `model`/`params`: one model, or sequences of models sharing a vocabulary
   (an ensemble: the step returns their log-probabilities averaged, [B*K, V]). `vocab`: the
   tokenizer's size, the ids a step may emit (default: every id of the model's)."""
@@ -127,32 +127,32 @@ def slot_model(model, vocab: int | None = None) -> slots.SlotModel:
 
 
 def generate(model, params, src, max_len: int, beam_size: int = 1, alpha: float = 0.6,
-             sampler=decode.Greedy(), rng=None, row_copy: str | None = None):
+             sampler=search.Greedy(), rng=None, row_copy: str | None = None):
   """src [B, S] -> tokens [B, max_len] (best beam), jit-able with static max_len/beam_size.
   `model`/`params`: one model or an ensemble (see `decoder`). `row_copy`: as `beams`'."""
   if beam_size > 1:
     return beams(model, params, src, max_len, beam_size, alpha, row_copy=row_copy)[0][:, 0]
   step, cache = decoder(model, params, src, max_len)
-  return decode.sample(step, cache, src.shape[0], max_len, SPECIALS, sampler, rng)
+  return search.sample(step, cache, src.shape[0], max_len, SPECIALS, sampler, rng)
 
 
 def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits=None,
           beam_stop: str = "exact", vocab: int | None = None, row_copy: str | None = None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]): every beam, best first, scored by
-  log-probability / GNMT length penalty (decode.beam_search; `limits` [B]: each sentence's
+  log-probability / GNMT length penalty (search.beam_search; `limits` [B]: each sentence's
   own length limit, at most max_len; `beam_stop`: when a search ends; `vocab`: the ids it may
   emit, as `decoder`'s; `row_copy`: how moved beams' cache rows are copied, default the
-  platform's, decode.ROW_COPIES)."""
+  platform's, search.ROW_COPIES)."""
   step, cache = decoder(model, params, src, max_len, vocab)
-  return decode.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
+  return search.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
                             limits, beam_stop, positions_axis=CACHE_POSITIONS,
-                            copy=row_copy or decode.row_copy(jax.default_backend()))
+                            copy=row_copy or search.row_copy(jax.default_backend()))
 
 
 def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,
            beam_stop: str = "exact", vocab: int | None = None):
   """src [B, S] -> (tokens [B, K, max_len], scores [B, K]), K = beam_size: the beams best first
-  (decode.beam_search), or with K = 1 the greedy output. A score is the log-probability /
+  (search.beam_search), or with K = 1 the greedy output. A score is the log-probability /
   GNMT length penalty of the output's length with <eos>, for greedy outputs too. `alpha` may
   be traced (one compilation serves every alpha). `limits` [B]: each row's own length limit
   (at most max_len); a row decodes as it would alone with max_len = its limit. `vocab`: the
@@ -160,10 +160,10 @@ def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,
   if beam_size > 1:
     return beams(model, params, src, max_len, beam_size, alpha, limits, beam_stop, vocab)
   step, cache = decoder(model, params, src, max_len, vocab)
-  tokens, logprob = decode.sample_scored(step, cache, src.shape[0], max_len, SPECIALS,
+  tokens, logprob = search.sample_scored(step, cache, src.shape[0], max_len, SPECIALS,
                                          limits=limits)
   length = jnp.sum(tokens != PAD, axis=-1)  # [B]: the tokens with <eos>
-  return tokens[:, None], (logprob / decode.length_penalty(length, alpha))[:, None]
+  return tokens[:, None], (logprob / search.length_penalty(length, alpha))[:, None]
 
 
 def sequence_logprob(model: Transformer, params, src, tgt, vocab: int | None = None):
@@ -201,11 +201,11 @@ def encode_sources(tokenizer, sentences: list[str], max_src_len: int,
 
 def strip(tokens) -> list[int]:
   """A row of output ids up to (not including) <eos>."""
-  return decode.strip(tokens, SPECIALS)
+  return search.strip(tokens, SPECIALS)
 
 
 def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: int,
-                     max_new: int, sampler=decode.Greedy(), rng=None, items=None,
+                     max_new: int, sampler=search.Greedy(), rng=None, items=None,
                      vocab: int | None = None):
   """A language model's continuations of prompts, in one `lax.while_loop` over a preallocated
   cache of `total_len` positions.
@@ -223,7 +223,7 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
 
   All rows step together from position 0: row r reads its prompt while t < lengths[r] and
   feeds back what it sampled after that. The i-th new token of prompt number n draws with the
-  key decode.row_keys(rng, n, i): a prompt continues alike in any batch.
+  key search.row_keys(rng, n, i): a prompt continues alike in any batch.
   """
   rng = jax.random.PRNGKey(0) if rng is None else rng
   b = prompts.shape[0]
@@ -246,7 +246,7 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     logits = _tokens_only(logits, vocab)
     new = t - (lengths - 1)  # [B] the index of the token this step makes, < 0 while reading
     writing = (new >= 0) & (new < max_new) & ~done
-    token = sampler(logits, decode.row_keys(rng, items, jnp.maximum(new, 0))).astype(jnp.int32)
+    token = sampler(logits, search.row_keys(rng, items, jnp.maximum(new, 0))).astype(jnp.int32)
     out = out.at[rows, jnp.clip(new, 0, max_new - 1)].set(
         jnp.where(writing, token, out[rows, jnp.clip(new, 0, max_new - 1)]))
     done = done | (writing & ((token == EOS) | (new == max_new - 1)))

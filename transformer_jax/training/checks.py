@@ -1,20 +1,14 @@
-"""From a checked config to what the subsystems run with: the dataset's name, the device mesh,
-the model's frozen config with its vocabularies.
-
-config.py knows the sections and checks their fields without importing a subsystem; the checks
-here need one (the registered datasets, the devices, the tokenizers' sizes).
-"""
+"""The checks a run's config needs before anything is built that config.py cannot make without
+importing a subsystem: the dataset against the registered builders, the device mesh against the
+devices and the batch sizes."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import ml_collections
 
-from transformer_jax import config as config_lib, embedding, sharding
+from transformer_jax import config as config_lib, sharding
 from transformer_jax.data.catalog import DATASETS
-from transformer_jax.model import LanguageModel, Transformer, TransformerConfig, attention_impl
 
 
 def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_lib.Config:
@@ -52,28 +46,3 @@ def checked_mesh(cfg: config_lib.Config, devices=None):
       f"data.batch_size={cfg.data.batch_size} / step.grad_accum_steps={accum} = {micro} "
       f"rows a microbatch do not split over the mesh's {data_parallel} data-parallel devices")
   return mesh
-
-
-def padded_vocab(size: int, multiple: int = 128) -> int:
-  """Vocabulary rounded up so that it splits evenly over tensor-parallel devices."""
-  return -(-size // multiple) * multiple
-
-
-def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
-                 platform: str | None = None, max_len: int = 0) -> TransformerConfig:
-  """The frozen model config of the model section and the tokenizers' vocabularies (padded);
-  `platform`: the one the program is compiled for (picks `auto`'s attention_impl and
-  embed_grad); `max_len`: data.max_len (the rows of learned positions)."""
-  fields = dataclasses.asdict(model)
-  fields["embed_grad"] = embedding.grad_impl(model.embed_grad, platform)
-  # Pallas kernels run natively on TPUs only.
-  fields["interpret_kernels"] = (platform or jax.default_backend()) != "tpu"
-  fields["attention_impl"] = attention_impl(model.attention_impl, model.dtype,
-                                            model.d_model // model.num_heads, platform)
-  return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
-                           tgt_vocab_size=padded_vocab(tgt_vocab), max_len=max_len, **fields)
-
-
-def build_model(cfg: TransformerConfig) -> Transformer | LanguageModel:
-  """The module of the config's family."""
-  return LanguageModel(cfg) if cfg.family == "decoder_only" else Transformer(cfg)

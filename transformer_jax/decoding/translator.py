@@ -19,11 +19,13 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from transformer_jax import decode, errors, sentences, sharding, slots
+from transformer_jax import errors, sharding
+from transformer_jax.decoding import search, sentences, slots
 from transformer_jax.data.catalog import DATASETS
-from transformer_jax.generation import (SPECIALS, DecodeOptions, InferenceError, encode_sources,
-                                        scored, slot_model, strip)
+from transformer_jax.decoding.generation import (SPECIALS, DecodeOptions, InferenceError,
+                                                 encode_sources, scored, slot_model, strip)
 from transformer_jax.programs import ProgramStore
+from transformer_jax.models import trained
 from transformer_jax.workdir import Workdir
 
 
@@ -80,7 +82,7 @@ class Translator:
     self.lanes = slots.default_lanes(platform)
     self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])
     self.min_rows_fraction = slots.default_min_rows_fraction(platform)
-    self.row_copy = decode.row_copy(platform)
+    self.row_copy = search.row_copy(platform)
     self.encode_tokens = slots.default_encode_tokens(platform)
 
   @property
@@ -104,7 +106,7 @@ class Translator:
     best first (K = beam_size; greedy: K = 1), scores as generation.scored. Compiled once per
     shape and beam size; `alpha` is traced (pass it as an array), so any alpha reuses it.
     `limits` [B]: each row's own output length limit (generation.scored). `beam_stop`: when a
-    beam search ends (decode.BEAM_STOPS). Only the tokenizer's ids are emitted, never the
+    beam search ends (search.BEAM_STOPS). Only the tokenizer's ids are emitted, never the
     padding of the model's vocabulary."""
     return scored(self.models, params, src, max_len, beam_size, alpha, limits, beam_stop,
                   self.tokenizers.tgt.vocab_size)
@@ -209,10 +211,10 @@ def _restore(workdir, step: int | None, ema: bool, programs: ProgramStore):
   `programs`)."""
   run = Workdir(workdir)
   run.check_family("encoder_decoder", "translate")
-  config, tokenizers, model = run.open()
+  config, tokenizers, model = trained.open_run(run)
   uses_ema = ema and config.step.ema_decay > 0
   key = "ema_params" if uses_ema else "params"
-  step, params = run.read_params(model, sharding.make_mesh((-1, 1, 1)), key, step,
+  step, params = trained.read_params(run, model, sharding.make_mesh((-1, 1, 1)), key, step,
                                  programs)
   logging.info("Restored step %d from %s (%s)", step, run.checkpoints,
                "the parameters' moving average" if uses_ema else "the parameters")

@@ -1,6 +1,6 @@
 """Translates with a model exported by `export --to jax`: jax, NumPy and SentencePiece only.
 
-  from transformer_jax.exported import ExportedTranslator
+  from transformer_jax.serving.exported import ExportedTranslator
   ExportedTranslator("runs/fra_eng_jax").translate(["I lost."], beam=True)
 
 Nothing else of this project is imported (no model code, no flax): the directory holds the
@@ -19,7 +19,7 @@ import sentencepiece as spm
 
 
 class ExportedTranslator:
-  """The decoders of an exported model directory (see transformer_jax.export)."""
+  """The decoders of an exported model directory (see transformer_jax.serving.export)."""
 
   def __init__(self, directory: str | Path):
     directory = Path(directory)

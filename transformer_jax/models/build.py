@@ -1,0 +1,39 @@
+"""From the model section of a checked config and the tokenizers' vocabularies to the module of
+its family: the frozen model config (padded vocabularies, the platform's attention and embedding
+gradient) and the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from transformer_jax import config as config_lib
+from transformer_jax.models import embedding
+from transformer_jax.models.transformer import (LanguageModel, Transformer, TransformerConfig,
+                                                attention_impl)
+
+
+def padded_vocab(size: int, multiple: int = 128) -> int:
+  """Vocabulary rounded up so that it splits evenly over tensor-parallel devices."""
+  return -(-size // multiple) * multiple
+
+
+def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
+                 platform: str | None = None, max_len: int = 0) -> TransformerConfig:
+  """The frozen model config of the model section and the tokenizers' vocabularies (padded);
+  `platform`: the one the program is compiled for (picks `auto`'s attention_impl and
+  embed_grad); `max_len`: data.max_len (the rows of learned positions)."""
+  fields = dataclasses.asdict(model)
+  fields["embed_grad"] = embedding.grad_impl(model.embed_grad, platform)
+  # Pallas kernels run natively on TPUs only.
+  fields["interpret_kernels"] = (platform or jax.default_backend()) != "tpu"
+  fields["attention_impl"] = attention_impl(model.attention_impl, model.dtype,
+                                            model.d_model // model.num_heads, platform)
+  return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
+                           tgt_vocab_size=padded_vocab(tgt_vocab), max_len=max_len, **fields)
+
+
+def build_model(cfg: TransformerConfig) -> Transformer | LanguageModel:
+  """The module of the config's family."""
+  return LanguageModel(cfg) if cfg.family == "decoder_only" else Transformer(cfg)
