@@ -21,16 +21,8 @@
 # PART decode: the main job (configs/fra_eng.py) trained on the GPU, then `translate` on the
 #         Tatoeba sources with decoding slots, beam 4 and greedy, each twice (an empty, then a
 #         filled compilation cache), timed whole; DECODE_RUNS="4:auto 4:1024 1:auto" picks the
-#         beam sizes and slot counts (default "4:auto 1:auto"); then start_costs.py on a later
-#         beam-4 command, slot_rows.py (a warm pass in one process) for beam 4 and greedy,
-#         program_calls.py (a beam-4 command by program) and slot_steps.py (a step's cost by
-#         its rows). Reads $DATA (default data/: made by
-#         `python -m transformer_jax download --out data`, git-ignored; carry it along).
-# PART start: the main job trained on the GPU, then `translate` on the Tatoeba sources with
-#         beam 4 and greedy, each three times (an empty, then a filled compilation cache), timed
-#         whole; then a later beam-4 command under cProfile (start_costs.py; the profile goes to
-#         OUT_DIR); before them restore_paths.py, a process for each way of reading the
-#         parameters onto the GPU, alternated 3 times. Reads $DATA.
+#         beam sizes and slot counts (default "4:auto 1:auto"). Reads $DATA (default data/: made
+#         by `python -m transformer_jax download --out data`, git-ignored; carry it along).
 # PART lm: the language-model tests on the GPU, then configs/lm_gpt2_small.py (12 layers,
 #         d_model 768, 64 x 1024 tokens, bf16) trained by train.py for 300 steps on the
 #         Shakespeare works in $DATA/shakespeare (a 16,384-piece tokenizer: the works hold too
@@ -48,12 +40,11 @@
 # next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
 # that a part would overwrite, 99: no wheels).
 set -uo pipefail
-out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|start|lm|lm_peer|mfu]}
+out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|lm|lm_peer|mfu]}
 part=${2:-real}
 # The parts that train into OUT_DIR remove what they made there at the end (gigabytes of state
 # not worth bringing back): they refuse an OUT_DIR that already holds those paths.
 case $part in
-  start) made=(fra_eng tfds translate_cache) ;;
   lm) made=(lm_gpt2_small tfds) ;;
   lm_peer) made=(tfds) ;;
   *) made=() ;;
@@ -122,9 +113,6 @@ elif [ "$part" = decode ]; then
   tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
   step train_fra_eng 900 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
       --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
-  # What a step costs by its rows (launch-bound or not), first: it needs no compiled cache.
-  step slot_steps_beam4 200 $py benchmarks/analysis/slot_steps.py "$out/fra_eng" --beam_size 4 \
-      --slots 16,64,256,1024 --lanes 1 --width 64 --json "$out/slot_steps_beam4.json"
   # BEAM:SLOTS pairs, in order; each translates the file twice (the second with a filled cache).
   for pair in ${DECODE_RUNS:-4:auto 1:auto}; do
     beam=${pair%%:*} slots=${pair#*:}
@@ -135,47 +123,6 @@ elif [ "$part" = decode ]; then
           --compilation_cache_dir $out/translate_cache"
     done
   done
-  # Where a later beam-4 command's time goes.
-  step start_costs_beam4 120 $py benchmarks/analysis/start_costs.py translate \
-      --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/start_costs.hyp" \
-      --beam_size 4 --compilation_cache_dir "$out/translate_cache"
-  # The warm pass of the file in one process (sources a second; the pass's seconds a decoder
-  # step), and a beam-4 command's time by program.
-  for pair in 4:auto 4:1024 1:auto; do
-    beam=${pair%%:*} slots=${pair#*:}
-    step "slot_rows_beam${beam}_slots$slots" 200 $py benchmarks/analysis/slot_rows.py \
-        "$out/fra_eng" "$tatoeba.eng" --beam_size "$beam" --slots "${slots/auto/0}" \
-        --programs "$out/translate_cache/programs" --json "$out/slot_rows_beam${beam}_slots$slots.json"
-  done
-  step program_calls_beam4 120 $py benchmarks/analysis/program_calls.py translate \
-      --workdir "$out/fra_eng" --input "$tatoeba.eng" --output "$out/program_calls.hyp" \
-      --beam_size 4 --compilation_cache_dir "$out/translate_cache"
-elif [ "$part" = start ]; then
-  data=${DATA:-data}
-  tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  step train_fra_eng 400 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
-      --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
-  cp "$out/fra_eng/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
-  for round in 1 2 3; do  # One restore way a process, alternating.
-    for way in per_array via_host; do
-      step "restore_${way}_$round" 60 $py benchmarks/analysis/restore_paths.py "$out/fra_eng" \
-          --way $way --json "$out/restore_paths.jsonl"
-    done
-  done
-  for beam in 4 1; do
-    for run in first second third; do
-      step "translate_beam${beam}_$run" 200 bash -c "time $py -m transformer_jax translate \
-          --workdir $out/fra_eng --input $tatoeba.eng --reference $tatoeba.fra \
-          --output $out/tatoeba_beam$beam.hyp --beam_size $beam \
-          --compilation_cache_dir $out/translate_cache"
-    done
-  done
-  step start_costs_beam4 60 $py -m cProfile -o "$out/start_beam4.prof" \
-      benchmarks/analysis/start_costs.py translate --workdir "$out/fra_eng" \
-      --input "$tatoeba.eng" --output "$out/start_costs.hyp" --beam_size 4 \
-      --compilation_cache_dir "$out/translate_cache"
-  rm -rf "$out/fra_eng/checkpoints" "$out/fra_eng/jax_cache" "$out/tfds" "$out/translate_cache"
 elif [ "$part" = lm ]; then
   data=${DATA:-data}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real corpus in ../shared/data, prepared once per session with tfds."""
+"""Shared fixtures: the real corpora (in $TRANSFORMER_JAX_DATA, default data/, where
+`python -m transformer_jax download --out data` puts them), prepared once per session with tfds."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # train.py and configs/ live at the repository root.
-DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA", ROOT.parent / "shared" / "data"))
+DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA", ROOT / "data")).resolve()
+
+
+def pytest_sessionstart(session):
+  """The tests train and translate on the real corpora: without them, one line saying where."""
+  if not (DATA / "fra-eng").is_dir():
+    raise pytest.UsageError(
+        f"no corpora in {DATA}: run `python -m transformer_jax download --out data`, or set "
+        "TRANSFORMER_JAX_DATA to a directory that holds fra-eng/, multi30k/, en-fr-test/ and "
+        "shakespeare/")
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +45,7 @@ def fra_eng_builder(tfds_dir):
 
 @pytest.fixture
 def smoke_config(tfds_dir, cache_dir):
-  """configs/fra_eng.py:smoke pointed at the shared data and the tests' compilation cache."""
+  """configs/fra_eng.py:smoke pointed at the corpus and the tests' compilation cache."""
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
   config.data.update(data_dir=str(DATA / "fra-eng"), tfds_dir=tfds_dir)

@@ -223,7 +223,7 @@ def test_train_step_defaults_to_packed_text_and_labels_the_random_control(tmp_pa
   assert bad.returncode == 2 and "--batches 'zipf': choose from packed, padded, random" in bad.stderr
 
 
-@pytest.mark.parametrize("part,existing", [("start", "fra_eng/checkpoints"), ("lm", "tfds")])
+@pytest.mark.parametrize("part,existing", [("lm", "lm_gpt2_small/checkpoints"), ("lm_peer", "tfds")])
 def test_gpu_script_refuses_an_out_dir_whose_paths_a_part_would_remove(tmp_path, part, existing):
   # The parts that train into OUT_DIR delete their checkpoints and data there at the end.
   kept = tmp_path / existing / "kept.txt"

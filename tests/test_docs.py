@@ -47,10 +47,41 @@ ALL_COMMANDS = [(path.relative_to(ROOT).as_posix(), c)
 @pytest.mark.quick
 def test_the_readme_is_for_users():
   lines = (ROOT / "README.md").read_text().splitlines()
-  assert len(lines) <= 200
+  assert len(lines) <= 150
   assert lines[0] == "# transformer_jax"
   for heading in ("## The two commands", "## Headline results", "## Commands", "## Layout"):
     assert heading in lines
+
+
+RECORDS = ROOT / "docs" / "results.md"  # The one page of measurements.
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", [p for p in DOCS if p != RECORDS],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_reference_is_short_and_names_no_commit(path):
+  """A reference says how to use one part: at most 300 lines, no commit hashes (the records,
+  with what was run at which version, are docs/results.md and the JSON it links)."""
+  lines = path.read_text().splitlines()
+  assert len(lines) <= 300
+  assert not _lines_matching(path, re.compile(r"\b[0-9a-f]{7,40}\b")), "a commit-like hash"
+
+
+def _cited_results() -> set[str]:
+  cited = set()
+  for path in DOCS:
+    cited |= set(re.findall(r"benchmarks/results/[\w./-]*\w", path.read_text()))
+  return cited
+
+
+@pytest.mark.quick
+def test_every_kept_result_is_cited_and_every_cited_one_kept():
+  kept = {p.relative_to(ROOT).as_posix() for p in RESULTS.rglob("*") if p.is_file()}
+  cited = _cited_results()
+  assert len(kept) > 20
+  assert sorted(kept - cited) == [], "kept, cited by no doc"
+  assert sorted(c for c in cited if not (ROOT / c).exists()) == [], "cited, not kept"
 
 
 @pytest.mark.quick
@@ -155,24 +186,3 @@ def test_the_short_documented_commands_run_as_written(workdir_as_documented, com
     assert (workdir_as_documented / "maps" / "cross_layer1.png").is_file()
   if "average" in argv:
     assert (workdir_as_documented / "runs" / "fra_eng_avg3" / "checkpoints").is_dir()
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("script", sorted((ROOT / "benchmarks" / "analysis").glob("*.py")),
-                         ids=lambda p: p.name)
-def test_analysis_scripts_import_what_the_library_has(script):
-  """The scripts behind docs/results.md parse, and every name they import from the library
-  exists (they are not run: they read the workdirs of the runs they describe)."""
-  import ast
-  import importlib.util
-  tree = ast.parse(script.read_text())
-  for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformer_jax"):
-      module = importlib.import_module(node.module)
-      for alias in node.names:
-        assert hasattr(module, alias.name) or importlib.util.find_spec(
-            f"{node.module}.{alias.name}"), f"{script.name}: {node.module}.{alias.name}"
-    if isinstance(node, ast.Import):
-      for alias in node.names:
-        if alias.name.startswith("transformer_jax"):
-          importlib.import_module(alias.name)
