@@ -275,7 +275,7 @@ class Checkpointer:
       via_host: read every array into this host's memory, verify it there and put the whole
         tree onto `mesh` at once. Default: where `mesh` is one process's accelerators. On a GPU
         that is faster in a new process than orbax placing each array as it reads it and
-        fingerprints traced for the device (benchmarks/analysis/restore_paths.py).
+        fingerprints traced for the device.
     """
     self._check_step(step)
     if via_host is None:

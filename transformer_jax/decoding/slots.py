@@ -147,7 +147,7 @@ def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[i
 # Source tokens a CPU's encoder program computes at once: a larger batch is encoded a chunk of
 # its rows after another, inside the program. On 2 cores of an AMD EPYC, 128 sources of 32 or
 # 64 tokens took 1.2-1.9x as long in one pass as in chunks of 1,024 tokens, and batches of
-# fewer tokens gained nothing clear (benchmarks/analysis/encode_chunks.py, docs/translating.md).
+# fewer tokens gained nothing clear.
 # An accelerator (0) encodes each batch whole.
 ENCODE_TOKENS = {"cpu": 1024, "gpu": 0, "tpu": 0}
 
