@@ -82,7 +82,7 @@ def main():
   import sacrebleu
   import sentencepiece as spm
 
-  from transformer_jax.decoding import slots
+  from transformer_jax.decoding import platforms
   from transformer_jax.commands.translate import read_lines
   from transformer_jax.decoding.generation import DecodeOptions
   from transformer_jax.decoding.translator import BEAM_BUDGET, Translator, translate_lines
@@ -125,7 +125,7 @@ def main():
         options = DecodeOptions(beam_size=beam, alpha=alpha)
         kwargs = {"batch_tokens": args.batch_tokens} if args.batch_tokens else {}
         if name == "ours":
-          kwargs["num_slots"] = (slots.default_slots("cpu", beam) if args.slots == "auto"
+          kwargs["num_slots"] = (platforms.CPU.slots(beam) if args.slots == "auto"
                                  else int(args.slots))
         return translate_lines(translator, [lines[i] for i in which], options, args.batch_size,
                                progress=False, **kwargs)

@@ -81,7 +81,7 @@ def test_the_smoke_config_compiles_for_h100(plugins, tmp_path):
   assert report["programs"]["train"]["temp_size_in_bytes"] > 0
   assert report["programs"]["train"]["collectives"]["all-reduce"]["count"] >= 1
   # The beam search is the decoder's one loop: moved beams' cache rows are gathered, not
-  # copied in a loop of their own inside each step (a CPU's way, decode.ROW_COPIES).
+  # copied in a loop of their own inside each step (a CPU's way, decoding/platforms.py).
   assert report["programs"]["decode"]["while_loops"] == 1
 
 

@@ -124,7 +124,7 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
   meet (a later command's lanes, timed differently, may shrink to one), after its output is
   written; the next command then finds every program it calls kept, and the model's abstract
   parameters (no init traced)."""
-  from transformer_jax.decoding import slots
+  from transformer_jax.decoding import platforms, slots
   _, workdir = trained
   source = tmp_path / "in.txt"
   source.write_text("".join(f"Go {i}.\n" for i in range(40)))
@@ -139,7 +139,7 @@ def test_a_first_translate_keeps_every_run_size_and_a_later_one_compiles_nothing
           if name.startswith("slots_run_")}
   # The slots (as many as the sources ask for, at most the default), then every size below,
   # quartered (a file's).
-  assert set(slots.run_sizes(max(runs), slots.default_min_rows_fraction("cpu"),
+  assert set(slots.run_sizes(max(runs), platforms.CPU.min_rows_fraction,
                              slots.RUN_RATIO["file"])) == runs
   assert len(runs) >= 3, runs
   (abstract,) = (cache / "programs").glob("abstract_params-*.pickle")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.decoding import search, generation, slots
+from transformer_jax.decoding import generation, platforms, search, slots
 from transformer_jax.decoding.generation import SPECIALS, DecodeOptions, encode_sources
 from transformer_jax.programs import ProgramStore
 from transformer_jax.decoding.translator import Translator, split_pairs, translate_lines
@@ -166,7 +166,7 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
 
 @pytest.mark.quick
 def test_a_batch_of_many_source_tokens_is_encoded_a_chunk_of_rows_at_a_time():
-  """A CPU's encoder program computes at most ENCODE_TOKENS source tokens at once (the most
+  """A CPU's encoder program computes at most its platform's encode_tokens source tokens at once (the most
   rows dividing the batch that hold them, at least one); an accelerator's a batch whole."""
   assert slots.chunk_rows(128, 16, 1024) == 64
   assert slots.chunk_rows(128, 12, 1024) == 64  # 85 rows would fit; 64 divide the batch.
@@ -175,7 +175,7 @@ def test_a_batch_of_many_source_tokens_is_encoded_a_chunk_of_rows_at_a_time():
   assert slots.chunk_rows(32, 8, 1024) == 32  # Few tokens: the batch whole.
   assert slots.chunk_rows(3, 600, 1024) == 1  # A row over the budget is still encoded.
   assert slots.chunk_rows(128, 64, 0) == 128
-  assert slots.default_encode_tokens("cpu") == 1024 and slots.default_encode_tokens("gpu") == 0
+  assert platforms.settings("cpu").encode_tokens == 1024 and platforms.settings("gpu").encode_tokens == 0
   traced = []
   encode = lambda params, src, width: (traced.append(src.shape), {
       "n": jnp.sum(src != SPECIALS.pad, axis=1), "width": jnp.full(src.shape[:1], width)})[1]

@@ -20,7 +20,7 @@ def _run(config, workdir, num_steps):
 def test_smoke_run_writes_logs_and_checkpoints_and_resumes_exactly(smoke_config, tmp_path,
                                                                    monkeypatch):
   # The train step must be traced once per run, however many steps it takes.
-  monkeypatch.setattr(train_lib, "train_step", chex.assert_max_traces(step_lib.train_step, n=1))
+  monkeypatch.setattr(step_lib, "train_step", chex.assert_max_traces(step_lib.train_step, n=1))
   smoke_config.run.checkpoint_every = 7
   # The first run stops at 7 by asking for 7 steps: a schedule that does not span num_steps
   # (the recipe's cosine is resumed exactly by the kill and preemption tests, same num_steps).

@@ -6,8 +6,8 @@ configures:
 
   data       DataConfig       the corpus, tokenizer and input pipeline (transformer_jax.data)
   model      ModelConfig      the Transformer's shape (model.TransformerConfig adds vocabularies)
-  optimizer  OptimizerConfig  optax's schedule, Adam and clipping (train_lib)
-  step       StepConfig       what one train or eval step computes (train_lib)
+  optimizer  OptimizerConfig  optax's schedule, Adam and clipping (training/steps.py)
+  step       StepConfig       what one train or eval step computes (training/steps.py)
   eval       EvalConfig       how often and on how much the run is evaluated (trainer)
   run        RunConfig        length, logging, checkpoints, devices (trainer)
   decode     DecodeConfig     how `translate` decodes the run's workdir by default

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 
 from transformer_jax import errors, fs  # noqa: E402
 from transformer_jax.commands import launch
-from transformer_jax.decoding import slots
+from transformer_jax.decoding import platforms  # noqa: E402
 from transformer_jax.decoding.search import BEAM_STOPS  # noqa: E402
 from transformer_jax.decoding.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
@@ -240,7 +240,7 @@ def main(argv):
     batch_size = FLAGS.batch_size if many else max(1, len(lines))
     segment_over = None if FLAGS.segment_over < 0 else FLAGS.segment_over
     long_beam = (FLAGS.long_over, FLAGS.long_beam_size) if FLAGS.long_beam_size else None
-    num_slots = (slots.default_slots(jax.default_backend(), FLAGS.beam_size)
+    num_slots = (platforms.settings(jax.default_backend()).slots(FLAGS.beam_size)
                  if FLAGS.slots == "auto" else int(FLAGS.slots))
     if FLAGS.n_best:
       lists = n_best_lines(translator, lines, FLAGS.n_best, options, batch_size, progress=many,

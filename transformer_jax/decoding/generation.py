@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 from jax import lax
 
-from transformer_jax.decoding import search, slots
+from transformer_jax.decoding import platforms, search, slots
 from transformer_jax.errors import UserError
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.models.transformer import LanguageModel, Transformer
@@ -142,11 +142,11 @@ def beams(model, params, src, max_len: int, beam_size: int, alpha: float, limits
   log-probability / GNMT length penalty (search.beam_search; `limits` [B]: each sentence's
   own length limit, at most max_len; `beam_stop`: when a search ends; `vocab`: the ids it may
   emit, as `decoder`'s; `row_copy`: how moved beams' cache rows are copied, default the
-  platform's, search.ROW_COPIES)."""
+  platform's, platforms.py)."""
   step, cache = decoder(model, params, src, max_len, vocab)
   return search.beam_search(step, cache, src.shape[0], max_len, SPECIALS, beam_size, alpha,
                             limits, beam_stop, positions_axis=CACHE_POSITIONS,
-                            copy=row_copy or search.row_copy(jax.default_backend()))
+                            copy=row_copy or platforms.settings(jax.default_backend()).row_copy)
 
 
 def scored(model, params, src, max_len: int, beam_size: int, alpha, limits=None,

@@ -182,20 +182,6 @@ def _stay_in_place(parents: jax.Array) -> jax.Array:
   return jnp.argmax(placed, axis=1).astype(jnp.int32)  # [B, place]: the new beam there.
 
 
-# How a beam step moves the cache rows of beams that continue another beam, by platform:
-# "loop" copies the rows that moved one at a time, in place (on a CPU most rows stay, and a
-# copy of every row costs a pass over the whole cache); "gather" takes every row from its
-# parent at once. On a GPU each pass of the loop is kernels of its own, run one after another:
-# on one H100, a beam-4 step of 1,024 rows took 10.1 ms with the loop, 1.2 ms with the gather
-# (docs/translating.md).
-ROW_COPIES = {"cpu": "loop", "gpu": "gather", "tpu": "gather"}
-
-
-def row_copy(platform: str) -> str:
-  """How beam steps and slot refills copy rows on `platform` (ROW_COPIES)."""
-  return ROW_COPIES.get(platform, "loop")
-
-
 # The part of a cache row that a moved beam copies, as fractions of the row's positions: the
 # first quarter, half or all of them, the smallest that holds the positions written so far.
 COPY_FRACTIONS = (4, 2, 1)
@@ -212,7 +198,7 @@ def _copy_parents(tree, parents: jax.Array, written: jax.Array | None = None,
   or all of that axis that holds the written ones (COPY_FRACTIONS): a row reads no position it
   did not write, and a search's first steps then move a quarter of the bytes.
 
-  `copy` "gather" (ROW_COPIES) takes every row of every leaf from its parent in one gather
+  `copy` "gather" (decoding/platforms.py says which a platform uses) takes every row of every leaf from its parent in one gather
   instead, `written` and `positions_axis` aside."""
   if copy not in ("loop", "gather"):
     raise ValueError(f"row copy {copy!r} is not 'loop' or 'gather'")
@@ -266,7 +252,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
   A sentence's search ends by the rule `stop` (BEAM_STOPS). `limits` [B] (at most max_len):
   each sentence's own length limit; its search stops there (its state is kept from then on)
   and ends as it would at max_len. `positions_axis`: the cache's axis of positions, if it has
-  one (beam_step). `copy`: how moved beams' cache rows are copied (ROW_COPIES).
+  one (beam_step). `copy`: how moved beams' cache rows are copied (decoding/platforms.py says which a platform uses).
   Returns:
     tokens [B, K, max_len] best first (<eos> then <pad> after the end), scores [B, K].
   """
@@ -333,7 +319,7 @@ def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha
   `positions_axis`: the cache's axis of positions (the model's caches: -2), where a step at
   `i` writes position i; given, a beam moved to another row copies only the positions written
   (`written`, default the largest i + 1; `_copy_parents`). `copy`: how moved beams' cache
-  rows are copied (ROW_COPIES)."""
+  rows are copied (decoding/platforms.py says which a platform uses)."""
   if stop not in BEAM_STOPS:
     raise ValueError(f"beam stop {stop!r} is not one of {BEAM_STOPS}")
   i, live_seqs, live_logp, fin_seqs, fin_scores, fin_flags, cache = state

@@ -8,7 +8,7 @@ each with its own step, output limit and source, and compiled programs that a ho
 drives (`decode_all`):
 
   encode(params, src [P, w])   the next P sources' encodings, padded to the slots' width (on a
-                               CPU a chunk of rows at a time: ENCODE_TOKENS)
+                               CPU a chunk of rows at a time: platforms.py)
   refill(state, ...)           free slots (empty, or their search ended) take new sources
   run(state, min_free, steps)  steps every search until `min_free` slots are free, none runs,
                                or `steps` steps are done
@@ -47,31 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decoding import search
+from transformer_jax.decoding import platforms, search
 from transformer_jax.programs import ProgramStore
-
-
-# Decoder rows one step computes, by platform, when the user names no slot count. On a 2-core
-# CPU 128 rows decoded the Tatoeba sources faster than 64 or 256 (greedy and beam 4:
-# docs/translating.md); an accelerator's step grows far slower than its rows.
-DEFAULT_ROWS = {"cpu": 128, "gpu": 1024, "tpu": 1024}
-
-
-# Streams of slots a file is decoded by at once, by platform, each driven by its own thread.
-# A CPU's matrix products on a decoder step's few rows keep its cores only partly busy: on 2
-# cores, a second stream stepping at the same time computed 1.44-1.45x the rows a second of one
-# (docs/translating.md). An accelerator runs one program at a time.
-DEFAULT_LANES = {"cpu": 2, "gpu": 1, "tpu": 1}
-
-
-def default_slots(platform: str, beam_size: int) -> int:
-  """The slots `translate` and `serve` use on `platform` for searches of `beam_size` beams."""
-  return max(1, DEFAULT_ROWS.get(platform, DEFAULT_ROWS["cpu"]) // beam_size)
-
-
-def default_lanes(platform: str) -> int:
-  """The streams `translate` decodes a file's sources with at once on `platform`."""
-  return DEFAULT_LANES.get(platform, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,30 +68,17 @@ class SlotModel:
   cache_positions: int | None = None  # The cache's axis of positions, if any (beam_step).
 
 
-# The smallest active size a run program is compiled for, as a fraction of the slots, by
-# platform. A CPU's step costs about its rows; an accelerator's grows far slower (one H100,
-# beam 4: 0.30 ms at 64 rows, 1.23 ms at 1,024), and every size is a program more to compile
-# and load (on one H200, loading a program from the compilation cache took longer than the
-# steps it saves).
-MIN_ROWS_FRACTION = {"cpu": 16, "gpu": 1, "tpu": 1}
-
-
-def default_min_rows_fraction(platform: str) -> int:
-  """The smallest run size on `platform`, as a fraction of the slots (MIN_ROWS_FRACTION)."""
-  return MIN_ROWS_FRACTION.get(platform, MIN_ROWS_FRACTION["cpu"])
-
-
 # How much smaller each run size is than the next (run_sizes), by use. A server's runs hold
 # what its traffic keeps running, for as long as it lasts: their sizes halve, to stay close to
 # it. A file's runs shrink only in a width class's tail, its last few sources, and every size
 # is a program more to load and a first call more: there they quarter (greedy, 128, 32 and 8
 # rows instead of 128, 64, 32, 16 and 8). On 2 cores of an AMD EPYC that made later commands on
 # the Tatoeba file faster, beam 4 in 3 pairs of 3, greedy in 6 of 8, and eighths gained nothing
-# more (docs/translating.md, "Fewer run sizes for a file").
+# more.
 RUN_RATIO = {"file": 4, "server": 2}
 
 
-def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"],
+def run_sizes(slots: int, fraction: int = platforms.CPU.min_rows_fraction,
               ratio: int = RUN_RATIO["server"]) -> list[int]:
   """The active sizes (leading slots a run steps) of a decoder of `slots` slots, ascending:
   `slots` divided by `ratio` (rounded up) again and again, down to `slots` / `fraction` (at
@@ -130,7 +94,7 @@ def run_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"],
   return sorted(set(sizes))
 
 
-def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[int]:
+def encode_sizes(slots: int, fraction: int = platforms.CPU.min_rows_fraction) -> list[int]:
   """The batch sizes (rows) sources are encoded in, ascending: an eighth of the slots (a
   server's few new sentences) and all of them, and where steps cost their rows (`fraction` >
   1: a CPU) the quarter and the half between, and 1 and 2: a file's last sources in a batch of
@@ -142,19 +106,6 @@ def encode_sizes(slots: int, fraction: int = MIN_ROWS_FRACTION["cpu"]) -> list[i
   if fraction > 1:
     sizes |= {size for size in (1, 2) if size <= slots}
   return sorted(sizes)
-
-
-# Source tokens a CPU's encoder program computes at once: a larger batch is encoded a chunk of
-# its rows after another, inside the program. On 2 cores of an AMD EPYC, 128 sources of 32 or
-# 64 tokens took 1.2-1.9x as long in one pass as in chunks of 1,024 tokens, and batches of
-# fewer tokens gained nothing clear.
-# An accelerator (0) encodes each batch whole.
-ENCODE_TOKENS = {"cpu": 1024, "gpu": 0, "tpu": 0}
-
-
-def default_encode_tokens(platform: str) -> int:
-  """The source tokens an encoder program computes at once on `platform` (ENCODE_TOKENS)."""
-  return ENCODE_TOKENS.get(platform, ENCODE_TOKENS["cpu"])
 
 
 def chunk_rows(rows: int, width: int, tokens: int) -> int:
@@ -202,11 +153,11 @@ class SlotDecoder:
                scores: bool = True, run_ratio: int = RUN_RATIO["server"]):
     """`programs`: where the compiled programs are kept for a later process (default: not).
     `min_rows_fraction`: the smallest run size, as a fraction of the slots (run_sizes; default:
-    the platform's, MIN_ROWS_FRACTION), the sizes above it each `run_ratio` times the next
+    the platform's, platforms.py), the sizes above it each `run_ratio` times the next
     (RUN_RATIO). `row_copy`: how moved beams' cache rows and new sources are copied into
-    place (default: the platform's, search.ROW_COPIES).
+    place (default: the platform's, platforms.py).
     `encode_tokens`: the source tokens the encoder computes at once (0: a batch whole;
-    default: the platform's, ENCODE_TOKENS). `scores`: whether greedy searches (and sampling)
+    default: the platform's, platforms.py). `scores`: whether greedy searches (and sampling)
     compute their outputs' scores (DecodeOptions.scores; without, each score is 0); beam search
     always does."""
     self.model, self.params, self.specials = model, params, specials
@@ -214,7 +165,7 @@ class SlotDecoder:
     self.slots, self.width, self.max_len, self.k = slots, width, max_len, beam_size
     self.alpha, self.sampler, self.beam_stop = alpha, sampler, beam_stop
     self.rng = jax.random.PRNGKey(0) if rng is None else rng
-    self.row_copy = row_copy or search.row_copy(jax.default_backend())
+    self.row_copy = row_copy or platforms.settings(jax.default_backend()).row_copy
     describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
                      self.row_copy, self.scores))
@@ -222,13 +173,13 @@ class SlotDecoder:
     # The encoder's programs depend on the model, the width and the chunk size alone: decoders
     # of the same width share them (a server's beam sizes).
     if encode_tokens is None:
-      encode_tokens = default_encode_tokens(jax.default_backend())
+      encode_tokens = platforms.settings(jax.default_backend()).encode_tokens
     self._encode = programs.jit(
         "slots_encode", repr((model.describe, width, encode_tokens)),
         functools.partial(encode_in_chunks, model.encode, width, encode_tokens))
     self._refill = jit("slots_refill", fn=self._refill_fn, donate_argnums=0)
     self._compact = jit("slots_compact", fn=self._compact_fn, donate_argnums=0)
-    fraction = min_rows_fraction or default_min_rows_fraction(jax.default_backend())
+    fraction = min_rows_fraction or platforms.settings(jax.default_backend()).min_rows_fraction
     self.run_sizes = run_sizes(slots, fraction, run_ratio)
     self.encode_sizes = encode_sizes(slots, fraction)
     # Source widths a batch is encoded in: multiples of 4 where steps cost their rows (a CPU),
@@ -310,7 +261,7 @@ class SlotDecoder:
     is dropped)."""
     fill = take >= 0
     state = dict(state)
-    if self.row_copy == "gather":  # Every slot's row at once (search.ROW_COPIES).
+    if self.row_copy == "gather":  # Every slot's row at once (platforms.py).
       rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(take, 0), axis=0), sources)
       state["sources"] = _where(fill, rows, state["sources"])
     else:

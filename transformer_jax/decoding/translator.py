@@ -20,21 +20,13 @@ import tqdm
 from absl import logging
 
 from transformer_jax import errors, sharding
-from transformer_jax.decoding import search, sentences, slots
+from transformer_jax.decoding import platforms, sentences, slots
 from transformer_jax.data.catalog import DATASETS
 from transformer_jax.decoding.generation import (SPECIALS, DecodeOptions, InferenceError,
                                                  encode_sources, scored, slot_model, strip)
 from transformer_jax.programs import ProgramStore
 from transformer_jax.models import trained
 from transformer_jax.workdir import Workdir
-
-
-# The source widths of translate's slot decoders below the model's max_len (decode_slots), by
-# platform. On a CPU a step's attention and a beam's cache reordering cost as much as the
-# slots' width, and most sentences are short; on an accelerator they cost little at any width,
-# while every class is a set of programs more to compile and load, and a tail of few running
-# searches more: one class.
-SLOT_WIDTHS = {"cpu": (16, 32), "gpu": (), "tpu": ()}
 
 
 class Translator:
@@ -79,11 +71,12 @@ class Translator:
     # above it quarter for a file: slots.RUN_RATIO), the source tokens their encoder computes
     # at once.
     platform = platform or jax.default_backend()
-    self.lanes = slots.default_lanes(platform)
-    self.width_classes = SLOT_WIDTHS.get(platform, SLOT_WIDTHS["cpu"])
-    self.min_rows_fraction = slots.default_min_rows_fraction(platform)
-    self.row_copy = search.row_copy(platform)
-    self.encode_tokens = slots.default_encode_tokens(platform)
+    settings = platforms.settings(platform)
+    self.lanes = settings.lanes
+    self.width_classes = settings.width_classes
+    self.min_rows_fraction = settings.min_rows_fraction
+    self.row_copy = settings.row_copy
+    self.encode_tokens = settings.encode_tokens
 
   @property
   def model(self):
@@ -168,7 +161,7 @@ class Translator:
     decoding slots each.
 
     Sources go to the slots of the narrowest of `slot_widths` that holds them, the widest
-    class first (SLOT_WIDTHS says why)."""
+    class first (platforms.py says why)."""
     widths = self.slot_widths
     width_of = [next(w for w in widths if len(ids) <= w) for ids in sources]
     jobs, members = [], []

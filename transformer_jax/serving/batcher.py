@@ -321,7 +321,7 @@ class SlotBatcher:
 
   `lanes` streams (threads) serve each beam size and class at once, sharing its queue and its
   compiled programs: a CPU's matrix products on a step's few rows leave its cores partly idle,
-  and a second stream stepping at the same time fills them (slots.DEFAULT_LANES). A piece goes
+  and a second stream stepping at the same time fills them (decoding/platforms.py). A piece goes
   to the lane holding the fewest searches, so 16 clients' sentences are split between them."""
 
   def __init__(self, stream: Callable[[int, int], object], widths: Sequence[int],

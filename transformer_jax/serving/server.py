@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from transformer_jax import errors
-from transformer_jax.decoding import sentences as sentences_lib, slots
+from transformer_jax.decoding import platforms, sentences as sentences_lib, slots
 from transformer_jax.serving.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import DecodeOptions, strip
@@ -82,7 +82,7 @@ class Service:
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
     if settings.slots:
-      lanes = settings.lanes or slots.default_lanes(jax.default_backend())
+      lanes = settings.lanes or platforms.settings(jax.default_backend()).lanes
       self.batcher = SlotBatcher(self._stream, translator.slot_widths, settings.max_queue,
                                  DecodeOptions().max_len_margin, lanes=lanes)
     else:
@@ -99,7 +99,7 @@ class Service:
     settings.slots, or the device's default)."""
     count = self.settings.slots
     if count < 0:
-      count = slots.default_slots(jax.default_backend(), beam_size)
+      count = platforms.settings(jax.default_backend()).slots(beam_size)
     options = DecodeOptions(beam_size=beam_size, beam_stop=self.defaults.beam_stop)
     return slots.SlotStream(self.translator.slot_decoder(options, count, width))
 

@@ -288,7 +288,7 @@ _WHILE = re.compile(r"\swhile\(")
 def while_loops(hlo_text: str) -> int:
   """The while loops of an optimized HLO module (nested ones included). On a GPU each pass of
   a loop is its own launches: the decoder's search is one loop; a loop per beam step over the
-  cache rows that moved (a CPU's copy, search.ROW_COPIES) would be more."""
+  cache rows that moved (a CPU's copy, decoding/platforms.py) would be more."""
   return len(_WHILE.findall(hlo_text))
 
 
@@ -513,13 +513,13 @@ def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max
 def _decoder(model, param_shardings, mesh, max_len: int, beam_size: int, platform: str):
   """translate's decoder (generation.generate) jitted over `mesh`: source rows split over the
   data-parallel devices, parameters placed as in training, beams' rows copied as on
-  `platform` (search.ROW_COPIES)."""
+  `platform` (decoding/platforms.py)."""
   import jax
   from transformer_jax import sharding
-  from transformer_jax.decoding import search
+  from transformer_jax.decoding import platforms
   from transformer_jax.decoding.generation import generate
   return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size,
-                                   row_copy=search.row_copy(platform)),
+                                   row_copy=platforms.settings(platform).row_copy),
                  in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.batch_sharding(mesh))
 
