@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import DATA, ROOT
-from transformer_jax.training import aot
+from transformer_jax.training import hlo as hlo_lib, targets
 
 # The smoke config at d_model 128 without dropout: at d_model 32 elementwise work and dropout's
 # random bits (which XLA counts as FLOPs) are a large share of the step, and the comparison
@@ -26,7 +26,7 @@ FLOP_CHECK = ["--config.model.d_model=128", "--config.model.ffn_dim=512",
 @pytest.fixture(scope="module")
 def plugins():
   """The pinned compiler plugins, installed by the command's own --install_plugins."""
-  directory = aot.plugins_dir()
+  directory = targets.plugins_dir()
   if not (directory / "libtpu").is_dir() or not (directory / "jax_plugins").is_dir():
     subprocess.run([sys.executable, "-m", "transformer_jax", "aot", "--install_plugins"],
                    cwd=ROOT, check=True, timeout=1800)
@@ -34,7 +34,7 @@ def plugins():
 
 
 def _aot(plugins, *args, json_path=None, config="configs/fra_eng.py:smoke"):
-  env = dict(os.environ, **{aot.PLUGINS_ENV: str(plugins)})
+  env = dict(os.environ, **{targets.PLUGINS_ENV: str(plugins)})
   env.pop("JAX_PLATFORMS", None)  # The command sets its own.
   extra = ["--json", str(json_path)] if json_path else []
   result = subprocess.run([sys.executable, "-m", "transformer_jax", "aot",
@@ -242,11 +242,11 @@ def test_scatters_are_counted_from_hlo_text():
       "  %s2 = (f32[512,16]{1,0}, s32[7]{0}) scatter(f32[512,16]{1,0} %a, s32[7]{0} %b)",
       "  %g = f32[64,32]{1,0} gather(f32[512,32]{1,0} %t, s32[64,1]{1,0} %i)",
   ])
-  counts = aot.scatters(hlo)
+  counts = hlo_lib.scatters(hlo)
   assert counts == {"f32[512,32]": 1, "f32[512,16], s32[7]": 1}
-  assert aot.embedding_scatters(counts, [(512, 32)]) == 1
-  assert aot.embedding_scatters(counts, [(512, 16), (512, 32)]) == 2
-  assert aot.embedding_scatters(counts, [(256, 32)]) == 0
+  assert hlo_lib.embedding_scatters(counts, [(512, 32)]) == 1
+  assert hlo_lib.embedding_scatters(counts, [(512, 16), (512, 32)]) == 2
+  assert hlo_lib.embedding_scatters(counts, [(256, 32)]) == 0
 
 
 def test_custom_calls_are_counted_from_hlo_text():
@@ -255,7 +255,7 @@ def test_custom_calls_are_counted_from_hlo_text():
       '  %d = bf16[8,128]{1,0} custom-call(bf16[8,128]{1,0} %k), custom_call_target="tpu_custom_call"',
       '  %e = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="Sharding"',
   ])
-  assert aot.custom_calls(hlo) == {"tpu_custom_call": 2, "Sharding": 1}
+  assert hlo_lib.custom_calls(hlo) == {"tpu_custom_call": 2, "Sharding": 1}
 
 
 def test_collectives_are_counted_from_hlo_text():
@@ -266,7 +266,7 @@ def test_collectives_are_counted_from_hlo_text():
       "  %ars = (f32[10]{0}, s32[3]{0}) all-reduce-start(f32[10]{0} %a, s32[3]{0} %b)",
       "  %add = f32[128,64]{1,0} add(f32[128,64]{1,0} %x, f32[128,64]{1,0} %y)",
   ])
-  assert aot.collectives(hlo) == {
+  assert hlo_lib.collectives(hlo) == {
       "all-reduce": {"count": 2, "bytes": 128 * 64 * 4 + 10 * 4 + 3 * 4},
       "all-gather": {"count": 1, "bytes": 32 * 16 * 2}}
 

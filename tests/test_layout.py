@@ -126,7 +126,7 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
   names = {"transformer_jax.config": "ConfigError", "transformer_jax.workdir": "WorkdirError",
            "transformer_jax.decoding.generation": "InferenceError",
            "transformer_jax.training.average": "AverageError",
-           "transformer_jax.training.aot": "AotError",
+           "transformer_jax.training.targets": "AotError",
            "transformer_jax.serving.export": "ExportError",
            "transformer_jax.training.finetune": "InitFromError",
            "transformer_jax.commands.serve": "ServeError",

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from transformer_jax import errors, fs
-from transformer_jax.training import aot
+from transformer_jax.training import aot, targets
 
 
 def main(argv):
@@ -24,26 +24,26 @@ def main(argv):
   F = flags.FLAGS
   with errors.reported():
     if len(argv) > 1:
-      raise aot.AotError(f"unexpected arguments {argv[1:]}")
+      raise targets.AotError(f"unexpected arguments {argv[1:]}")
     if F.install_plugins or F.install_cudnn:
-      command = aot.install_command("all" if F.install_plugins else "cudnn",
-                                    aot.plugins_dir(F.plugins))
+      command = targets.install_command("all" if F.install_plugins else "cudnn",
+                                    targets.plugins_dir(F.plugins))
       print(command)
       sys.exit(subprocess.call(command.split()))
     if F.config is None or not F.topology:
-      raise aot.AotError("--config and --topology are required")
+      raise targets.AotError("--config and --topology are required")
     programs = [p.strip() for p in F.programs.split(",") if p.strip()]
-    unknown = sorted(set(programs) - set(aot.PROGRAMS))
+    unknown = sorted(set(programs) - set(targets.PROGRAMS))
     if unknown or not programs:
-      raise aot.AotError(f"--programs {F.programs!r}: choose from {', '.join(aot.PROGRAMS)}")
+      raise targets.AotError(f"--programs {F.programs!r}: choose from {', '.join(targets.PROGRAMS)}")
     if F.json:
       fs.check_writable(F.json, "--json")
     if F.hlo and Path(F.hlo).exists() and not Path(F.hlo).is_dir():
-      raise aot.AotError(f"--hlo {F.hlo} is a file, not a directory")
-    target = aot.Target.parse(F.topology, F.num_slices)
+      raise targets.AotError(f"--hlo {F.hlo} is a file, not a directory")
+    target = targets.Target.parse(F.topology, F.num_slices)
     if F.save_train_step:
       if "train" not in programs:
-        raise aot.AotError("--save_train_step needs the train program in --programs")
+        raise targets.AotError("--save_train_step needs the train program in --programs")
       fs.check_writable(F.save_train_step, "--save_train_step")
     report = aot.compile_report(F.config, target, programs,
                                 progress=lambda s: print(s, file=sys.stderr, flush=True),
@@ -55,7 +55,7 @@ def main(argv):
   if not report["fits"]:
     too_big = [k for k, p in report["programs"].items() if not p["fits"]]
     print(f"error: {', '.join(too_big)} does not fit in {report['chip']}'s "
-          f"{report['hbm_bytes_per_device'] / aot.GIB:.2f} GiB per device", file=sys.stderr)
+          f"{report['hbm_bytes_per_device'] / targets.GIB:.2f} GiB per device", file=sys.stderr)
     sys.exit(3)
 
 
@@ -67,10 +67,10 @@ def define_flags():
                       "v5p:2x2x2), GPUs (h100:1, h100:8, a100:8, h100:2x8 for 2 hosts of 8) or "
                       "this host's CPU as N devices (cpu:8).")
   flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice), each of --topology.")
-  flags.DEFINE_string("programs", ",".join(aot.PROGRAMS), "Which programs to compile.")
+  flags.DEFINE_string("programs", ",".join(targets.PROGRAMS), "Which programs to compile.")
   flags.DEFINE_string("json", None, "Write the report here as JSON.")
   flags.DEFINE_string("plugins", None, "Directory of the compiler plugins (default: "
-                      f"${aot.PLUGINS_ENV} or {aot.DEFAULT_PLUGINS}).")
+                      f"${targets.PLUGINS_ENV} or {targets.DEFAULT_PLUGINS}).")
   flags.DEFINE_string("save_train_step", None, "Also write the compiled train step here, for "
                       "train.py --config.run.compiled_train_step on the target.")
   flags.DEFINE_string("hlo", None, "Write each program's optimized HLO text into this "
@@ -83,10 +83,10 @@ def define_flags():
 
 def run() -> None:
   # Before jax is imported: it reads JAX_PLATFORMS and looks for CUDA's version module once.
-  aot.prepare_environment()
-  aot.use_plugins(aot.plugins_dir(next((a.split("=", 1)[1] for a in sys.argv
+  targets.prepare_environment()
+  targets.use_plugins(targets.plugins_dir(next((a.split("=", 1)[1] for a in sys.argv
                                         if a.startswith("--plugins=")), None)))
-  with aot.plugin_load_noise_dropped():  # jax finds (and loads) the plugins as it starts.
+  with targets.plugin_load_noise_dropped():  # jax finds (and loads) the plugins as it starts.
     import jax
     jax.devices()
   from absl import app

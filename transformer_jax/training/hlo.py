@@ -1,4 +1,5 @@
-"""The shape of a compiled train step, read from its optimized HLO text: what launches (fusions
+"""What a compiled program holds, read from its optimized HLO text: its collectives, scatters,
+custom calls and while loops (`aot`'s report), and the shape of a train step: what launches (fusions
 and custom calls, per pass of a scanned layer loop), which [tokens, vocab] arrays are written to
 memory, and how the attention is masked. `aot` prints it for every target, so that a change
 that adds a pass over the activations, a float32 copy of the logits or a dense mask is seen
@@ -156,3 +157,83 @@ def format_shape(shape: dict) -> list[str]:
   lines.append(f"    [rows, 1, length, length] mask arrays in memory: "
                f"{arrays(shape['mask_arrays'])}")
   return lines
+
+
+# Counts over a whole optimized module, for aot's report.
+
+_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast)(-start)?\(")
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """{kind: {"count", "bytes"}} of the collectives in an optimized HLO module, bytes being each
+  one's result (for an async start, the arrays it produces). An op inside a loop body (a
+  scanned layer stack, gradient accumulation) is counted once, not once per iteration."""
+  out: dict[str, dict[str, int]] = {}
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE.search(line)
+    if not match:
+      continue
+    result_type, kind, start = match.groups()
+    arrays = [(dt, dims) for dt, dims in ARRAY.findall(result_type)
+              if dt in DTYPE_BYTES]
+    if start and kind in ("all-gather", "collective-permute") and len(arrays) >= 2:
+      arrays = arrays[len(arrays) // 2:]  # (operands, results): the results.
+    size = 0
+    for dt, dims in arrays:
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      size += n * DTYPE_BYTES[dt]
+    entry = out.setdefault(kind, {"count": 0, "bytes": 0})
+    entry["count"] += 1
+    entry["bytes"] += size
+  return out
+
+
+_SCATTER = re.compile(r"=\s*(.+?)\s+scatter\(")
+
+
+def scatters(hlo_text: str) -> dict[str, int]:
+  """{result type: count} of the scatter ops in an optimized HLO module (those inside fused
+  computations included), e.g. {"f32[512,32]": 2}; a variadic scatter's types joined by ", "."""
+  out: dict[str, int] = {}
+  for line in hlo_text.splitlines():
+    match = _SCATTER.search(line)
+    if match:
+      key = ", ".join(f"{dt}[{dims}]" for dt, dims in ARRAY.findall(match.group(1))
+                      if dt in DTYPE_BYTES)
+      out[key] = out.get(key, 0) + 1
+  return out
+
+
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def custom_calls(hlo_text: str) -> dict[str, int]:
+  """{target: count} of the custom calls in an optimized HLO module: the kernels XLA did not
+  generate itself (`tpu_custom_call`: a Pallas kernel such as splash attention on TPUs;
+  `__cudnn$fmha...`: cuDNN's fused attention)."""
+  out: dict[str, int] = {}
+  for target in _CUSTOM_CALL.findall(hlo_text):
+    out[target] = out.get(target, 0) + 1
+  return out
+
+
+_WHILE = re.compile(r"\swhile\(")
+
+
+def while_loops(hlo_text: str) -> int:
+  """The while loops of an optimized HLO module (nested ones included). On a GPU each pass of
+  a loop is its own launches: the decoder's search is one loop; a loop per beam step over the
+  cache rows that moved (a CPU's copy, decoding/platforms.py) would be more."""
+  return len(_WHILE.findall(hlo_text))
+
+
+def embedding_scatters(scatter_counts: dict[str, int], table_shapes) -> int:
+  """Of `scatters`' counts, those whose result has the shape of an embedding table as one
+  device holds it (`table_shapes`: (rows, columns) pairs): the gradient of a lookup formed by
+  scatter-add, which on GPUs adds with contended atomics."""
+  shapes = {f"{r},{c}" for r, c in table_shapes}
+  return sum(count for key, count in scatter_counts.items()
+             for part in key.split(", ") if part[part.index("[") + 1:-1] in shapes)
