@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.decoding import generation, platforms, search, slots
+from transformer_jax.decoding import generation, platforms, search, slots, streams
 from transformer_jax.decoding.generation import SPECIALS, DecodeOptions, encode_sources
 from transformer_jax.programs import ProgramStore
 from transformer_jax.decoding.translator import Translator, split_pairs, translate_lines
@@ -95,7 +95,7 @@ def test_sampling_in_slots_draws_what_the_batch_sampler_draws(translator, source
       step, cache, len(rows), max_len, SPECIALS, sampler, rng)[0])())
   decoder = slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 5,
                               width, max_len, SPECIALS, sampler=sampler, rng=rng)
-  got = decoder.decode_all(rows, [max_len] * len(rows))
+  got = streams.decode_all(decoder, rows, [max_len] * len(rows))
   for i, (tokens, _) in enumerate(got):
     np.testing.assert_array_equal(tokens[0], batch[i], err_msg=str(i))
   greedy = generation.generate(translator.model, translator.params, src, max_len)
@@ -152,7 +152,7 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
   decoder = slots.SlotDecoder(_counting_model(), None, 16, 8, 12, SPECIALS)
   shapes, encode = [], decoder._encode
   decoder._encode = lambda params, src: (shapes.append(src.shape), encode(params, src))[1]
-  results = decoder.decode_all(sources, [12] * len(sources))
+  results = streams.decode_all(decoder, sources, [12] * len(sources))
   # Each batch as wide as its longest source rounded up to 4: the last 7 hold 3 or 4 tokens.
   assert shapes == [(16, 8), (8, 4)]
   # An accelerator's settings round up to 8 (fewer programs), and none is over the width.
@@ -166,7 +166,7 @@ def test_sources_are_encoded_in_the_fewest_rows_that_hold_them():
 
 @pytest.mark.quick
 def test_a_batch_of_many_source_tokens_is_encoded_a_chunk_of_rows_at_a_time():
-  """A CPU's encoder program computes at most its platform's encode_tokens source tokens at once (the most
+  """A CPU's encoder program computes at most encode_tokens source tokens at once (the most
   rows dividing the batch that hold them, at least one); an accelerator's a batch whole."""
   assert slots.chunk_rows(128, 16, 1024) == 64
   assert slots.chunk_rows(128, 12, 1024) == 64  # 85 rows would fit; 64 divide the batch.
@@ -175,7 +175,8 @@ def test_a_batch_of_many_source_tokens_is_encoded_a_chunk_of_rows_at_a_time():
   assert slots.chunk_rows(32, 8, 1024) == 32  # Few tokens: the batch whole.
   assert slots.chunk_rows(3, 600, 1024) == 1  # A row over the budget is still encoded.
   assert slots.chunk_rows(128, 64, 0) == 128
-  assert platforms.settings("cpu").encode_tokens == 1024 and platforms.settings("gpu").encode_tokens == 0
+  assert platforms.settings("cpu").encode_tokens == 1024
+  assert platforms.settings("gpu").encode_tokens == 0
   traced = []
   encode = lambda params, src, width: (traced.append(src.shape), {
       "n": jnp.sum(src != SPECIALS.pad, axis=1), "width": jnp.full(src.shape[:1], width)})[1]
@@ -233,7 +234,7 @@ def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
     for rows, run in list(decoder._runs.items()):
       decoder._runs[rows] = _watched(
           run, lambda out, rows=rows, width=width: runs.update([(width, rows, int(out[2]) > 0)]))
-    return slots.SlotStream(decoder)
+    return streams.SlotStream(decoder)
 
   batcher = SlotBatcher(stream, [8, 16], max_queue=64, margin=10)
   batcher.start([(8, 1), (16, 1)])
@@ -270,7 +271,7 @@ def test_the_servers_lanes_share_a_class_and_each_answer_is_its_own():
 
   def stream(beam_size, width):
     assert (beam_size, width) == (3, 16)
-    lane = slots.SlotStream(decoder)  # The lanes share the decoder (its programs).
+    lane = streams.SlotStream(decoder)  # The lanes share the decoder (its programs).
     put = lane.put
     lane.put = lambda item, ids, *rest: (taken[id(lane)].append(len(ids)), put(item, ids, *rest))
     return lane
@@ -303,7 +304,7 @@ def test_sentences_leave_the_slots_at_their_own_ends_and_new_ones_take_them(beam
   sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
   decoder = slots.SlotDecoder(_counting_model(), None, 4, 16, 20, SPECIALS, beam_size=beam_size)
   finished = []
-  results = decoder.decode_all(sources, [20] * len(sources), progress=finished.append)
+  results = streams.decode_all(decoder, sources, [20] * len(sources), progress=finished.append)
   for n, (tokens, scores) in zip(lengths, results):
     expected = [5 + i for i in range(n - 1)] + [SPECIALS.eos]
     assert tokens[0][:n].tolist() == expected and (tokens[0][n:] == SPECIALS.pad).all()
@@ -328,7 +329,7 @@ def test_a_files_sources_take_the_free_slots_between_steps_without_returning(bea
   decoder._refill = lambda *args: (calls.append("refill"), refill(*args))[1]
   for size, run in list(decoder._runs.items()):
     decoder._runs[size] = lambda *args, run=run, size=size: (calls.append(size), run(*args))[1]
-  results = decoder.decode_all(sources, [24] * len(sources))
+  results = streams.decode_all(decoder, sources, [24] * len(sources))
   for n, (tokens, _) in zip(lengths, results):
     assert tokens[0][:n].tolist() == [5 + i for i in range(n - 1)] + [SPECIALS.eos]
   assert calls[:6] == ["feed"] * 6 and "feed" not in calls[6:] and "refill" not in calls
@@ -344,10 +345,10 @@ def test_lanes_decode_every_source_as_one_stream_does(beam_size):
   lengths = [9, 2, 5, 3, 12, 4, 7, 2, 6, 3, 10, 5, 8, 11, 2, 4]
   sources = [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths]
   decoder = slots.SlotDecoder(_counting_model(), None, 4, 16, 20, SPECIALS, beam_size=beam_size)
-  one = decoder.decode_all(sources, [20] * len(sources))
+  one = streams.decode_all(decoder, sources, [20] * len(sources))
   for lanes in (2, 3):
     finished = []
-    got = decoder.decode_all(sources, [20] * len(sources), progress=finished.append,
+    got = streams.decode_all(decoder, sources, [20] * len(sources), progress=finished.append,
                              lanes=lanes)
     assert sum(finished) == len(sources)
     for (a_tokens, a_scores), (b_tokens, b_scores) in zip(one, got):
@@ -371,14 +372,14 @@ def test_lanes_take_jobs_from_both_ends_and_give_each_source_what_one_stream_doe
   lengths = {8: [3 + i % 6 for i in range(30)], 16: [9 + i % 8 for i in range(30)]}
   sources = {w: [np.array([7] * (n - 1) + [SPECIALS.eos], np.int32) for n in lengths[w]]
              for w in lengths}
-  jobs = [slots.Job(wide, sources[16], [20] * 30, 0.6),
-          slots.Job(narrow, sources[8], [12] * 30, 0.6)]
+  jobs = [streams.Job(wide, sources[16], [20] * 30, 0.6),
+          streams.Job(narrow, sources[8], [12] * 30, 0.6)]
   finished = []
-  got = slots.decode_jobs(jobs, progress=finished.append, lanes=2)
+  got = streams.decode_jobs(jobs, progress=finished.append, lanes=2)
   assert sorted(first_batch.values()) == [8, 16]
   assert sum(finished) == 60
   for job, results in zip(jobs, got):
-    one = job.decoder.decode_all(job.sources, job.limits)
+    one = streams.decode_all(job.decoder, job.sources, job.limits)
     for (a_tokens, a_scores), (b_tokens, b_scores) in zip(one, results):
       np.testing.assert_array_equal(a_tokens, b_tokens)
       np.testing.assert_array_equal(a_scores, b_scores)
@@ -395,7 +396,7 @@ def test_an_error_in_one_lane_stops_the_others_and_is_raised():
     raise RuntimeError("the output file's disk is full")
 
   with pytest.raises(RuntimeError, match="disk is full"):
-    decoder.decode_all(sources, [20] * len(sources), progress=progress, lanes=2)
+    streams.decode_all(decoder, sources, [20] * len(sources), progress=progress, lanes=2)
   assert len(calls) <= 4  # Each lane stopped at its next run, not at the end of its sources.
 
 
@@ -410,7 +411,7 @@ def test_after_an_error_no_lane_starts_another_job():
     empty = decoder._empty
     decoder._empty = lambda params, plain=empty: (opened.append(1), plain(params))[1]
   sources = [np.array([7] * 11 + [SPECIALS.eos], np.int32) for _ in range(40)]
-  jobs = [slots.Job(d, sources, [20] * 40, 0.6) for d in decoders]
+  jobs = [streams.Job(d, sources, [20] * 40, 0.6) for d in decoders]
 
   reports = []
 
@@ -420,7 +421,7 @@ def test_after_an_error_no_lane_starts_another_job():
       raise RuntimeError("the output file's disk is full")
 
   with pytest.raises(RuntimeError, match="disk is full"):
-    slots.decode_jobs(jobs, progress=progress, lanes=2)
+    streams.decode_jobs(jobs, progress=progress, lanes=2)
   assert len(opened) <= 2
 
 
@@ -447,13 +448,13 @@ def test_a_files_slot_decoders_quarter_their_run_sizes_and_a_servers_halve_them(
   _, rows = _rows(translator, sources)
   options = DecodeOptions(beam_size=1, alpha=0.6)
   files = []
-  decode_jobs = slots.decode_jobs
+  decode_jobs = streams.decode_jobs
 
   def spy(jobs, **kwargs):
     files.extend(job.decoder for job in jobs)
     return decode_jobs(jobs, **kwargs)
 
-  monkeypatch.setattr(slots, "decode_jobs", spy)
+  monkeypatch.setattr(streams, "decode_jobs", spy)
   translator.decode_slots(rows, options, num_slots=3)
   assert len(files) >= 2 and all(d.run_sizes == [1, 3] for d in files)  # A class or more.
   server = translator.slot_decoder(options, 3, files[0].width)
@@ -475,7 +476,7 @@ def test_steps_compute_the_rows_of_the_running_searches_not_of_every_slot(beam_s
   sizes = []
   for size, run in list(decoder._runs.items()):
     decoder._runs[size] = lambda *args, run=run, size=size: (sizes.append(size), run(*args))[1]
-  stream = slots.SlotStream(decoder)
+  stream = streams.SlotStream(decoder)
   for i, ids in enumerate(sources):
     stream.put(i, ids, 24, 0.6)
   results = {}
@@ -503,15 +504,15 @@ def test_slot_programs_kept_on_disk_decode_as_the_traced_ones(translator, source
     return slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 3,
                              width, width + 10, SPECIALS, beam_size=2, programs=programs)
 
-  plain = decoder(ProgramStore(None)).decode_all(rows, limits)
-  kept = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
+  plain = streams.decode_all(decoder(ProgramStore(None)), rows, limits)
+  kept = streams.decode_all(decoder(ProgramStore(tmp_path)), rows, limits)
   kept_names = {p.name.split("-")[0] for p in tmp_path.iterdir()}
   # Batches of 3 sources go through the feed program, the last one by a refill and a run.
   runs = {"slots_run_1", "slots_run_2", "slots_run_3"}
   assert {"slots_empty", "slots_encode", "slots_feed", "slots_refill"} <= kept_names <= {
       "slots_empty", "slots_encode", "slots_feed", "slots_refill", "slots_compact", *runs}
   assert kept_names & runs
-  loaded = decoder(ProgramStore(tmp_path)).decode_all(rows, limits)
+  loaded = streams.decode_all(decoder(ProgramStore(tmp_path)), rows, limits)
   for a, b, c in zip(plain, kept, loaded):
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[0], c[0])
@@ -550,7 +551,7 @@ import threading
 import jax, numpy as np
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-from transformer_jax.decoding import generation, slots
+from transformer_jax.decoding import generation, slots, streams
 from transformer_jax.programs import ProgramStore
 from transformer_jax.decoding.translator import SPECIALS, Translator
 
@@ -561,7 +562,7 @@ rows = [np.array([5 + (7 * i + j) % 40 for j in range(2 + i % 9)] + [SPECIALS.eo
 def decode(programs):
   decoder = slots.SlotDecoder(generation.slot_model(translator.model), translator.params, 3,
                               16, 26, SPECIALS, beam_size=2, programs=programs)
-  return [tokens.tolist() for tokens, _ in decoder.decode_all(rows, [26] * len(rows))]
+  return [tokens.tolist() for tokens, _ in streams.decode_all(decoder, rows, [26] * len(rows))]
 
 outs = []
 if sys.argv[4] == "all":  # jax.jit's programs first (into the cache), then a store's.

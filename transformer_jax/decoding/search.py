@@ -198,8 +198,8 @@ def _copy_parents(tree, parents: jax.Array, written: jax.Array | None = None,
   or all of that axis that holds the written ones (COPY_FRACTIONS): a row reads no position it
   did not write, and a search's first steps then move a quarter of the bytes.
 
-  `copy` "gather" (decoding/platforms.py says which a platform uses) takes every row of every leaf from its parent in one gather
-  instead, `written` and `positions_axis` aside."""
+  `copy` "gather" (platforms.py says which a platform uses) takes every row of every leaf from
+  its parent in one gather instead, `written` and `positions_axis` aside."""
   if copy not in ("loop", "gather"):
     raise ValueError(f"row copy {copy!r} is not 'loop' or 'gather'")
   b, k = parents.shape
@@ -252,7 +252,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_le
   A sentence's search ends by the rule `stop` (BEAM_STOPS). `limits` [B] (at most max_len):
   each sentence's own length limit; its search stops there (its state is kept from then on)
   and ends as it would at max_len. `positions_axis`: the cache's axis of positions, if it has
-  one (beam_step). `copy`: how moved beams' cache rows are copied (decoding/platforms.py says which a platform uses).
+  one (beam_step). `copy`: how moved beams' cache rows are copied (platforms.py says which a
+  platform uses).
   Returns:
     tokens [B, K, max_len] best first (<eos> then <pad> after the end), scores [B, K].
   """

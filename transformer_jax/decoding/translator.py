@@ -20,7 +20,7 @@ import tqdm
 from absl import logging
 
 from transformer_jax import errors, sharding
-from transformer_jax.decoding import platforms, sentences, slots
+from transformer_jax.decoding import platforms, sentences, slots, streams
 from transformer_jax.data.catalog import DATASETS
 from transformer_jax.decoding.generation import (SPECIALS, DecodeOptions, InferenceError,
                                                  encode_sources, scored, slot_model, strip)
@@ -169,10 +169,10 @@ class Translator:
       members.append([i for i, w in enumerate(width_of) if w == width])
       limits = [options.max_len or -(-len(sources[i]) // 8) * 8 + options.max_len_margin
                 for i in members[-1]]
-      jobs.append(slots.Job(self.slot_decoder(options, num_slots, width, use="file"),
+      jobs.append(streams.Job(self.slot_decoder(options, num_slots, width, use="file"),
                             [sources[i] for i in members[-1]], limits, options.alpha))
     results: list = [None] * len(sources)
-    for indices, out in zip(members, slots.decode_jobs(jobs, progress=progress,
+    for indices, out in zip(members, streams.decode_jobs(jobs, progress=progress,
                                                        lanes=self.lanes)):
       for i, result in zip(indices, out):
         results[i] = result

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from transformer_jax import errors
-from transformer_jax.decoding import platforms, sentences as sentences_lib, slots
+from transformer_jax.decoding import platforms, sentences as sentences_lib, streams
 from transformer_jax.serving.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import DecodeOptions, strip
@@ -94,14 +94,14 @@ class Service:
     """The most sentences of a batch of this width and beam size (translate's rule)."""
     return batch_rows(width, beam_size, self.settings.batch_size, self.settings.batch_tokens)
 
-  def _stream(self, beam_size: int, width: int) -> slots.SlotStream:
+  def _stream(self, beam_size: int, width: int) -> streams.SlotStream:
     """The slots of one beam size for sources of up to `width` tokens (their count:
     settings.slots, or the device's default)."""
     count = self.settings.slots
     if count < 0:
       count = platforms.settings(jax.default_backend()).slots(beam_size)
     options = DecodeOptions(beam_size=beam_size, beam_stop=self.defaults.beam_stop)
-    return slots.SlotStream(self.translator.slot_decoder(options, count, width))
+    return streams.SlotStream(self.translator.slot_decoder(options, count, width))
 
   def _decode(self, src, widths, beam_size, alpha):
     options = DecodeOptions(beam_size=beam_size, alpha=alpha, beam_stop=self.defaults.beam_stop)
