@@ -9,6 +9,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -152,8 +153,35 @@ def test_sigkill_at_three_moments_loses_nothing(tmp_path, tfds_dir, cache_dir, s
   steps = [r["step"] for r in _train_records(tmp_path)]
   assert len(steps) >= NUM_STEPS - 2 and steps == list(range(1, len(steps) + 1))
 
-  _run(tmp_path, tfds_dir, cache_dir)
+  log = _run(tmp_path, tfds_dir, cache_dir)
+  # A killed run's lock is the operating system's: gone with it, and the next run says so.
+  assert re.search(rf"{tmp_path} was left locked by process \d+ on .+, which has ended: taking it "
+                   "over", log)
   _assert_same_run(tmp_path, straight)
+
+
+def test_a_second_run_on_a_busy_workdir_is_one_line_and_writes_nothing(tmp_path, tfds_dir,
+                                                                       cache_dir):
+  # The first run has steps enough to be running still when the second starts; SIGTERM ends it.
+  first = _start(tmp_path, tfds_dir, cache_dir, "--config.run.num_steps=100000")
+  lines = []
+  _wait_for_line(first, r"\] \[2\] steps_per_sec", lines)
+  reader = threading.Thread(target=lambda: lines.extend(first.stdout), daemon=True)
+  reader.start()
+  second = subprocess.run(_command(tmp_path, tfds_dir, cache_dir), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert first.poll() is None, "".join(lines[-40:])  # Still running: the refusal was the lock's.
+  assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-2000:]
+  assert second.stderr.strip().splitlines()[-1] == (
+      f"error: --workdir {tmp_path} is being written by process {first.pid} on "
+      f"{socket.gethostname()}: wait for that run to end, or name another workdir")
+  os.killpg(first.pid, signal.SIGTERM)
+  assert first.wait(timeout=120) == 0, "".join(lines[-40:])
+  reader.join()
+  # One writer: every step logged once, and the lock released with no holder named.
+  steps = [r["step"] for r in _train_records(tmp_path)]
+  assert len(steps) >= 2 and steps == list(range(1, len(steps) + 1))
+  assert (tmp_path / "writer.lock").read_text() == ""
 
 
 def _finite_checkpoints(workdir) -> list[int]:

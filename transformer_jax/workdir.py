@@ -6,6 +6,7 @@
     checkpoints/STEP/    orbax checkpoints: train state, data position, fingerprints
     metrics.jsonl        training and evaluation scalars; TensorBoard events beside it
     jax_cache/           JAX's compilation cache (unless compilation_cache_dir says otherwise)
+    writer.lock          held by the run writing the workdir (its process and host inside)
 
 train.py resumes from one (training/resume.py checks it first); translate, average, visualize
 and the AOT tools open one (models/trained.py).
@@ -13,8 +14,14 @@ and the AOT tools open one (models/trained.py).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import socket
 from pathlib import Path
+
+from absl import logging
 
 from transformer_jax import checkpoint, config as config_lib, errors
 from transformer_jax.data.tokenizer import Tokenizers
@@ -23,8 +30,9 @@ from transformer_jax.errors import UserError
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 JAX_CACHE = "jax_cache"
+LOCK = "writer.lock"
 # What a run may have written before its config.json (besides TensorBoard's event files).
-_WRITTEN_BEFORE_CONFIG = {CHECKPOINTS, JAX_CACHE, "tokenizer.model", "vocab.json",
+_WRITTEN_BEFORE_CONFIG = {CHECKPOINTS, JAX_CACHE, LOCK, "tokenizer.model", "vocab.json",
                           "metrics.jsonl"}
 
 
@@ -54,6 +62,64 @@ class Workdir:
   @property
   def jax_cache(self) -> Path:
     return self.path / JAX_CACHE
+
+  @contextlib.contextmanager
+  def writer_lock(self):
+    """Holds the workdir's writer lock while the block runs: one run writes a workdir at a time.
+
+    The lock is the operating system's (flock on `writer.lock`), so a run that dies, however
+    it dies, holds it no longer; the file names the process that holds it, or last held it.
+
+    Raises:
+      WorkdirError: another process holds it (the message names that process).
+    """
+    made = not self.path.exists()
+    self.path.mkdir(parents=True, exist_ok=True)
+    lock = open(self.path / LOCK, "a+", encoding="utf-8")
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      lock.close()
+      self._raise_busy()
+    lock.seek(0)
+    if previous := lock.read().strip():  # A run that ended without releasing it: killed.
+      logging.warning("%s was left locked by %s, which has ended: taking it over", self.path,
+                      previous)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"process {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    try:
+      yield
+    finally:
+      lock.seek(0)
+      lock.truncate()  # Released: no holder to name.
+      lock.flush()
+      if made and [p.name for p in self.path.iterdir()] == [LOCK]:
+        (self.path / LOCK).unlink()  # A run that wrote nothing (it failed first) leaves nothing.
+        self.path.rmdir()
+      fcntl.flock(lock, fcntl.LOCK_UN)
+      lock.close()
+
+  def check_free(self) -> None:
+    """Raises WorkdirError where a run holds the writer lock (the first check a run makes:
+    another's checkpoints and config may still change under it). Creates nothing."""
+    if not (self.path / LOCK).is_file():
+      return
+    with open(self.path / LOCK, encoding="utf-8") as lock:
+      try:
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+      except BlockingIOError:
+        self._raise_busy()
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+  def _raise_busy(self):
+    try:
+      holder = (self.path / LOCK).read_text(encoding="utf-8").strip() or "another process"
+    except OSError:
+      holder = "another process"
+    raise WorkdirError(f"--workdir {self.path} is being written by {holder}: wait for that run "
+                       "to end, or name another workdir") from None
 
   def checkpoint_steps(self) -> list[int]:
     """Steps of the checkpoint directories present (verified or not), ascending."""

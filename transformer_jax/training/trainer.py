@@ -5,6 +5,7 @@ checkpoint there. `python train.py` (or `python -m transformer_jax train`) runs 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 import jax
@@ -27,13 +28,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`."""
   # Every check that can fail comes before anything is prepared, compiled or written.
   cfg = checks.validated(config)
-  data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
-  lm = cfg.model.family == "decoder_only"  # A language model: documents, not sentence pairs.
   mesh = checks.checked_mesh(cfg)
   run_dir = Workdir(workdir)
+  run_dir.check_free()
   resume.check_resumable(run_dir, cfg)
+  fs.check_writable(run_dir.path, "--workdir")
+  primary = jax.process_index() == 0
+  # One run writes a workdir at a time (the first host holds the lock for them all).
+  with run_dir.writer_lock() if primary else contextlib.nullcontext():
+    return _train(cfg, mesh, run_dir)
+
+
+def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainState:
+  """train_and_evaluate's run, its config and workdir checked."""
+  data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
+  lm = cfg.model.family == "decoder_only"  # A language model: documents, not sentence pairs.
   workdir = run_dir.path
-  fs.check_writable(workdir, "--workdir")
   # Fine-tuning reads the other run only while this one has no checkpoint of its own.
   source = (finetune.check_source(cfg, run.init_from)
             if run.init_from and not run_dir.checkpoint_steps() else None)
