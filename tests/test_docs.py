@@ -176,6 +176,8 @@ def test_the_short_documented_commands_run_as_written(workdir_as_documented, com
   if "average" in argv:  # The smoke run kept 2 checkpoints, not 3; a new output each time.
     argv[argv.index("--last") + 1] = "2"
     shutil.rmtree(workdir_as_documented / argv[argv.index("--output") + 1], ignore_errors=True)
+  if "visualize" in argv:  # It never replaces maps already there: a new directory each time.
+    shutil.rmtree(workdir_as_documented / argv[argv.index("--out") + 1], ignore_errors=True)
   result = subprocess.run(argv, cwd=workdir_as_documented, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
   assert result.returncode == 0, result.stderr[-2000:]

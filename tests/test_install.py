@@ -8,7 +8,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import DATA, ROOT
 
 
 def _site_without_this_package(directory: Path) -> Path:
@@ -50,3 +50,58 @@ def test_an_editable_install_runs_the_dataset_builders(tmp_path):
   assert run.returncode == 0, run.stderr[-2000:]
   assert run.stdout.splitlines() == [str(source / "transformer_jax" / "__init__.py"),
                                      "fra_eng ['en', 'fr']"]
+
+
+def test_a_plain_install_runs_every_command_that_needs_no_extra(tmp_path, trained, tfds_dir):
+  """`pip install .` with no extra into a fresh venv (no TensorFlow, CTranslate2 or Starlette to
+  bring a package in unseen): each command's smallest real use on the smoke run; the commands
+  that need an extra say which in one line. A dependency the package uses but does not declare
+  fails here (jax.export's serialization needs flatbuffers, which jax does not declare)."""
+  source = tmp_path / "source"  # A copy: pip builds beside its source.
+  source.mkdir()
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
+    shutil.copy(ROOT / name, source)
+  shutil.copytree(ROOT / "transformer_jax", source / "transformer_jax",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+  python = str(venv / "bin" / "python")
+  install = subprocess.run([python, "-m", "pip", "install", "-q", str(source)],
+                           capture_output=True, text=True, timeout=900)
+  assert install.returncode == 0, install.stderr[-2000:]
+  for extra in ("tensorflow", "ctranslate2", "starlette"):  # Truly without the extras.
+    assert subprocess.run([python, "-c", f"import {extra}"], capture_output=True).returncode == 1
+  run_dir = tmp_path / "run"
+  shutil.copytree(trained[1], run_dir)
+
+  def command(*args):
+    return subprocess.run([python, "-m", "transformer_jax", *map(str, args)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+
+  def ok(*args):
+    result = command(*args)
+    assert result.returncode == 0, (args, result.stderr[-3000:])
+    return result
+
+  ok("train", "--config", ROOT / "configs" / "fra_eng.py:smoke", "--workdir", tmp_path / "fresh",
+     f"--config.data.data_dir={DATA / 'fra-eng'}", f"--config.data.tfds_dir={tfds_dir}",
+     "--config.run.num_steps=2", "--config.eval.bleu_sentences=0")
+  assert (tmp_path / "fresh" / "checkpoints" / "2").is_dir()
+  assert len(ok("translate", "--workdir", run_dir, "I lost.", "Go.").stdout.splitlines()) == 2
+  ok("export", "--workdir", run_dir, "--to", "jax", tmp_path / "exported")
+  assert (tmp_path / "exported" / "export.json").is_file()
+  ok("average", "--workdir", run_dir, "--last", "2", "--output", tmp_path / "averaged")
+  assert (tmp_path / "averaged" / "checkpoints").is_dir()
+  ok("visualize", "--workdir", run_dir, "--out", tmp_path / "maps", "I lost.")
+  assert (tmp_path / "maps" / "cross_layer1.png").is_file()
+  ok("download", "--out", tmp_path / "data", "--sets", "fra-eng", "--mirror", DATA / "fra-eng")
+  assert (tmp_path / "data" / "fra-eng" / "fra-eng.zip").is_file()
+  # An extra's command: one line naming the extra, nothing written.
+  for args, extra in ((("serve", "--workdir", run_dir, "--port", "0"), "serve"),
+                      (("export", "--workdir", run_dir, "--to", "ctranslate2",
+                        tmp_path / "ct2"), "export")):
+    result = command(*args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"transformer_jax[{extra}]" in last, last
+  assert not (tmp_path / "ct2").exists()

@@ -25,7 +25,7 @@ from tests.conftest import DATA, ROOT
 from transformer_jax import config as config_lib
 from transformer_jax.decoding import search
 from transformer_jax.data import documents
-from transformer_jax.data.tokenizer import BOS, EOS
+from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK
 
 MAX_LEN = 8
 
@@ -236,6 +236,32 @@ def test_a_sampled_continuation_is_the_same_in_any_batch():
   assert not np.array_equal(np.asarray(other_seed), np.asarray(alone))
 
 
+def test_a_continuation_never_holds_pad_bos_or_unk():
+  """A model that rates <pad>, <bos> and <unk> far above every other id: over 64 rows x 24
+  sampled tokens (and greedy) none is chosen, where the pieces of text are."""
+  from transformer_jax.decoding.generation import NEVER_CONTINUED, continue_prompts
+  from transformer_jax.models.transformer import LanguageModel
+  model, params = _lm(max_len=32)
+  bias = np.zeros(64, np.float32)
+  bias[[PAD, BOS, UNK]] = 8.0  # e^8: ~3,000 times as likely as any other id.
+  bias[EOS] = -30.0  # No row ends: every position is a choice.
+  favour = lambda logits: logits + bias  # The model's logits with the special ids favoured.
+
+  class Favouring:  # The model, its step's logits shifted.
+    cfg = model.cfg
+
+    def apply(self, variables, *args, method):
+      out = model.apply(variables, *args, method=method)
+      return (favour(out[0]), out[1]) if method == LanguageModel.decode_step else out
+
+  prompts = np.tile(np.array([[BOS, 5, 9]], np.int32), (64, 1))
+  lengths = np.full(64, 3, np.int32)
+  for sampler in (search.Sampling(temperature=1.0), search.Greedy()):
+    tokens = np.asarray(continue_prompts(Favouring(), params, prompts, lengths, 32, 24, sampler,
+                                         jax.random.PRNGKey(0)))
+    assert tokens.shape == (64, 24) and not np.isin(tokens, NEVER_CONTINUED).any(), sampler
+
+
 # train.py on the Shakespeare works: straight, and killed then resumed.
 
 NUM_STEPS = 16
@@ -330,7 +356,8 @@ def test_generate_continues_prompts_from_a_file(lm_run, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["word " * 40], r"prompt 1 has \d+ tokens: the model reads at most 30 \(data.max_len=32"),
-    (["ROMEO.", "--temperature", "0"], "--temperature must be positive, got 0.0"),
+    (["ROMEO.", "--temperature", "0"], "--temperature must be a positive number, got 0.0"),
+    (["ROMEO.", "--temperature", "nan"], "--temperature must be a positive number, got nan"),
     (["ROMEO.", "--top_p", "1.5"], r"--top_p must be in \(0, 1\], got 1.5"),
 ])
 def test_bad_generate_input_is_one_line_and_writes_nothing(lm_run, tmp_path, args, message):

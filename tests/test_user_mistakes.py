@@ -352,3 +352,45 @@ def test_translate_refuses_to_overwrite_its_input_and_a_negative_alpha(tmp_path,
                 *map(fill, flags))
   assert _one_error_line(result) == fill(message)
   assert src.read_text() == "Go.\n" and ref.read_text() == "Va !\n"
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing directory"])
+def test_aot_checks_its_json_before_compiling(tmp_path, where):
+  """A report that cannot be written is refused first, not after every program compiled."""
+  (tmp_path / "kept.txt").write_text("a user's file")
+  json_path = tmp_path if where == "a directory" else tmp_path / "missing" / "r.json"
+  result = _run("-m", "transformer_jax", "aot", "--config", "configs/fra_eng.py:smoke",
+                "--topology", "cpu:1", "--json", str(json_path), timeout=120)
+  line = _one_error_line(result)
+  assert line == (f"error: --json {tmp_path} is a directory; name a file"
+                  if where == "a directory" else
+                  f"error: --json {json_path}: directory {json_path.parent} does not exist")
+  assert _tree_digest(tmp_path) == {
+      "kept.txt": hashlib.sha256(b"a user's file").hexdigest()}
+
+
+def test_visualize_never_replaces_a_users_maps(trained, tmp_path):
+  """--out holding a file of a map's name (KIND_layerN.png) is refused before any work."""
+  out = tmp_path / "maps"
+  out.mkdir()
+  (out / "cross_layer1.png").write_bytes(b"a user's picture")
+  (out / "notes.txt").write_text("kept")
+  before = _tree_digest(out)
+  result = _run("-m", "transformer_jax", "visualize", "--workdir", str(trained[1]), "--out",
+                str(out), "I lost.")
+  assert _one_error_line(result) == (f"error: --out {out} already holds cross_layer1.png: name "
+                                     "a new directory, or move those away")
+  assert _tree_digest(out) == before
+
+
+def test_an_empty_data_dir_is_one_line_not_a_download(tmp_path):
+  """tfds takes an empty manual directory for none given and would download instead."""
+  (tmp_path / "data").mkdir()
+  result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
+                str(tmp_path / "run"), f"--config.data.data_dir={tmp_path / 'data'}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}", timeout=120)
+  assert _one_error_line(result) == (
+      f"error: data.data_dir='{tmp_path / 'data'}' holds no file: put the corpus's raw files "
+      "there (python -m transformer_jax download --out DIR), or leave data_dir empty to download "
+      "them")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # Nothing written.

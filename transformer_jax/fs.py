@@ -40,6 +40,18 @@ def check_writable(path: str | Path, what: str) -> None:
                            ) from None
 
 
+def check_output_file(path: str | Path, what: str) -> None:
+  """Raises NotWritableError, naming `what` (e.g. "--json"), where `path` cannot be written as
+  a file: a directory, a file in a directory that does not exist, or one not writable. Made
+  before the work whose result it is to hold."""
+  p = Path(path)
+  if p.is_dir():
+    raise NotWritableError(f"{what} {path} is a directory; name a file")
+  if not p.absolute().parent.is_dir():
+    raise NotWritableError(f"{what} {path}: directory {p.absolute().parent} does not exist")
+  check_writable(p, what)
+
+
 @contextlib.contextmanager
 def new_directory(output: str | Path):
   """Yields a new, empty directory beside `output`, renamed to `output` when the block

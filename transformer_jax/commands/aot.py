@@ -27,7 +27,7 @@ def main(argv):
       raise targets.AotError(f"unexpected arguments {argv[1:]}")
     if F.install_plugins or F.install_cudnn:
       command = targets.install_command("all" if F.install_plugins else "cudnn",
-                                    targets.plugins_dir(F.plugins))
+                                        targets.plugins_dir(F.plugins))
       print(command)
       sys.exit(subprocess.call(command.split()))
     if F.config is None or not F.topology:
@@ -35,16 +35,17 @@ def main(argv):
     programs = [p.strip() for p in F.programs.split(",") if p.strip()]
     unknown = sorted(set(programs) - set(targets.PROGRAMS))
     if unknown or not programs:
-      raise targets.AotError(f"--programs {F.programs!r}: choose from {', '.join(targets.PROGRAMS)}")
+      raise targets.AotError(f"--programs {F.programs!r}: choose from "
+                             f"{', '.join(targets.PROGRAMS)}")
     if F.json:
-      fs.check_writable(F.json, "--json")
+      fs.check_output_file(F.json, "--json")
     if F.hlo and Path(F.hlo).exists() and not Path(F.hlo).is_dir():
       raise targets.AotError(f"--hlo {F.hlo} is a file, not a directory")
     target = targets.Target.parse(F.topology, F.num_slices)
     if F.save_train_step:
       if "train" not in programs:
         raise targets.AotError("--save_train_step needs the train program in --programs")
-      fs.check_writable(F.save_train_step, "--save_train_step")
+      fs.check_output_file(F.save_train_step, "--save_train_step")
     report = aot.compile_report(F.config, target, programs,
                                 progress=lambda s: print(s, file=sys.stderr, flush=True),
                                 save_train_step=F.save_train_step, hlo_dir=F.hlo)

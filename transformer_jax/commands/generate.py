@@ -50,8 +50,8 @@ def sampler_of(temperature: float | None, top_k: int, top_p: float):
   """search.Greedy, or search.Sampling where any sampling flag is given; checked."""
   if temperature is None and not top_k and top_p == 1.0:
     return search.Greedy()
-  if temperature is not None and temperature <= 0:
-    raise InferenceError(f"--temperature must be positive, got {temperature}")
+  if temperature is not None and not 0 < temperature < float("inf"):  # NaN: never sampled.
+    raise InferenceError(f"--temperature must be a positive number, got {temperature}")
   if top_k < 0:
     raise InferenceError(f"--top_k must be 0 (all) or positive, got {top_k}")
   if not 0 < top_p <= 1:

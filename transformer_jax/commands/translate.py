@@ -38,8 +38,8 @@ from transformer_jax.decoding.search import BEAM_STOPS  # noqa: E402
 from transformer_jax.decoding.generation import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
-from transformer_jax.decoding.translator import (Translator, n_best_lines, split_pairs,  # noqa: E402
-                                                 translate_lines)
+from transformer_jax.decoding.translator import (  # noqa: E402
+    Translator, n_best_lines, split_pairs, translate_lines)
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 

@@ -24,7 +24,8 @@ from transformer_jax.decoding.generation import DecodeOptions, InferenceError  #
 def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "Training workdir.")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
-  flags.DEFINE_string("out", None, "Directory for the PNG files.")
+  flags.DEFINE_string("out", None, "Directory for the PNG files (KIND_layerN.png); one that "
+                      "already holds such files is refused.")
 
 
 def main(argv):
@@ -37,6 +38,11 @@ def main(argv):
     if not argv[1].strip():
       raise InferenceError("the sentence is empty")
     fs.check_writable(FLAGS.out, "--out")
+    # Each map is KIND_layerN.png: a user's files of those names are never replaced.
+    if taken := sorted(p.name for p in Path(FLAGS.out).glob("*_layer*.png")):
+      raise InferenceError(f"--out {FLAGS.out} already holds {', '.join(taken[:3])}"
+                           f"{', ...' if len(taken) > 3 else ''}: name a new directory, or "
+                           "move those away")
     from transformer_jax.decoding import heatmaps  # matplotlib and the model load after the checks.
     translator = heatmaps.Translator(FLAGS.workdir, FLAGS.step)
     src_tokens, tgt_tokens, maps = heatmaps.attention_maps(translator, argv[1])

@@ -15,7 +15,7 @@ from jax import lax
 
 from transformer_jax.decoding import platforms, search, slots
 from transformer_jax.errors import UserError
-from transformer_jax.data.tokenizer import BOS, EOS, PAD
+from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK
 from transformer_jax.models.transformer import LanguageModel, Transformer
 
 SPECIALS = search.Specials(bos=BOS, eos=EOS, pad=PAD)
@@ -204,6 +204,11 @@ def strip(tokens) -> list[int]:
   return search.strip(tokens, SPECIALS)
 
 
+# Ids a language model's continuation never holds: padding, a sequence's start and the unknown
+# piece (decoded as " ⁇ ") stand for no text a prompt could go on with.
+NEVER_CONTINUED = (PAD, BOS, UNK)
+
+
 def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: int,
                      max_new: int, sampler=search.Greedy(), rng=None, items=None,
                      vocab: int | None = None):
@@ -219,7 +224,8 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     vocab: the tokenizer's vocabulary size: ids from it on (the model's vocabulary padded to a
       multiple of 128) are never chosen. Default: every id of the model's.
   Returns:
-    tokens [B, max_new]: each row's continuation, <pad> after its <eos> or its end.
+    tokens [B, max_new]: each row's continuation, <pad> after its <eos> or its end. No row
+    ever chooses <pad>, <bos> or <unk> (NEVER_CONTINUED): they stand for no text.
 
   All rows step together from position 0: row r reads its prompt while t < lengths[r] and
   feeds back what it sampled after that. The i-th new token of prompt number n draws with the
@@ -243,7 +249,7 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     token_in = jnp.where(reading, prompt_t, last)  # [B]
     logits, cache = model.apply({"params": params}, token_in[:, None], cache,
                                 method=LanguageModel.decode_step)  # [B, V]
-    logits = _tokens_only(logits, vocab)
+    logits = _tokens_only(logits, vocab).at[:, NEVER_CONTINUED].set(search.NEG_INF)  # [B, V]
     new = t - (lengths - 1)  # [B] the index of the token this step makes, < 0 while reading
     writing = (new >= 0) & (new < max_new) & ~done
     token = sampler(logits, search.row_keys(rng, items, jnp.maximum(new, 0))).astype(jnp.int32)

@@ -48,8 +48,8 @@ class Sampling:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if self.temperature <= 0:
-      raise ValueError(f"temperature must be positive, got {self.temperature}")
+    if not 0 < self.temperature < float("inf"):  # NaN too: it would sample nothing.
+      raise ValueError(f"temperature must be a positive number, got {self.temperature}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -4,6 +4,8 @@ devices and the batch sizes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import ml_collections
 
@@ -23,6 +25,18 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
                    f"{'decoder_only' if documents else 'encoder_decoder'} models; "
                    f"model.family={cfg.model.family!r}")
   return cfg
+
+
+def check_data_dir(cfg: config_lib.Config) -> None:
+  """A data.data_dir given is a directory that holds files: tfds takes an empty one for none
+  given and downloads instead (minutes of retries where the source is unreachable)."""
+  data_dir = cfg.data.data_dir
+  if not data_dir:
+    return  # Downloaded from the dataset's source.
+  config_lib.check(any(p.is_file() for p in Path(data_dir).rglob("*")),
+                   f"data.data_dir={data_dir!r} holds no file: put the corpus's raw files there "
+                   "(python -m transformer_jax download --out DIR), or leave data_dir empty to "
+                   "download them")
 
 
 def checked_mesh(cfg: config_lib.Config, devices=None):
