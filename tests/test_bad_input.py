@@ -62,6 +62,12 @@ def test_unknown_config_field_is_named(tmp_path):
   assert result.stderr.strip().splitlines() == [
       "error: --config.num_steps: no such config field; it is --config.run.num_steps (the "
       "fields and their meanings are in transformer_jax/config.py)"]
+  result = _cli("--config", "configs/fra_eng.py:smoke", "--workdir", str(tmp_path / "w"),
+                "--config.model.d_modle=64")  # A misspelled field: the flag and the guess.
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines() == [
+      "error: --config.model.d_modle: no such config field; did you mean --config.model.d_model? "
+      "(the fields and their meanings are in transformer_jax/config.py)"]
   assert not (tmp_path / "w").exists()
 
 

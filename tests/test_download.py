@@ -98,7 +98,10 @@ def _fails(args, message, out):
 def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tatoeba, tmp_path):
   mirror = _mirror(tmp_path / "mirror", upstream_tatoeba)
   out = tmp_path / "data"
-  _fails(["--mirror", str(tmp_path / "none")], "holds no fra-eng.zip", out)
+  _fails(["--mirror", str(tmp_path / "none")], f"--mirror {tmp_path / 'none'} is not a directory",
+         out)
+  (tmp_path / "empty").mkdir()
+  _fails(["--mirror", str(tmp_path / "empty")], "holds no fra-eng.zip", out)
   _fails(["--mirror", str(mirror), "--sets", "fra-eng,wmt"], "choose among fra-eng", out)
   news = mirror / "newstest2014.fra"
   news.write_text(news.read_text().replace("le", "la", 1))

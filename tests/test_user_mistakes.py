@@ -394,3 +394,17 @@ def test_an_empty_data_dir_is_one_line_not_a_download(tmp_path):
       "there (python -m transformer_jax download --out DIR), or leave data_dir empty to download "
       "them")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # Nothing written.
+
+
+def test_translate_reads_standard_input_given_as_a_dash(trained):
+  """`--input -` reads the sources from standard input, as Unix tools do."""
+  result = subprocess.run([sys.executable, "-m", "transformer_jax", "translate", "--workdir",
+                           str(trained[1]), "--input", "-"], cwd=ROOT, input="I lost.\n\nGo.\n",
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  assert len(lines) == 3 and lines[1] == ""  # An empty line translates to an empty line.
+  alone = subprocess.run([sys.executable, "-m", "transformer_jax", "translate", "--workdir",
+                          str(trained[1]), "I lost.", "Go."], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+  assert alone.stdout.splitlines() == [lines[0], lines[2]]

@@ -32,7 +32,7 @@ from transformer_jax.workdir import Workdir  # noqa: E402
 def define_flags():
   flags.DEFINE_string("workdir", None, "A language model's training workdir.")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest that verifies.")
-  flags.DEFINE_string("input", None, "File with one prompt a line.")
+  flags.DEFINE_string("input", None, "File with one prompt a line; - reads standard input.")
   flags.DEFINE_string("output", None, "Where to write the continuations (JSON lines).")
   flags.DEFINE_integer("max_new_tokens", 100, "Tokens to generate at most a prompt (fewer where "
                        "the model's max_len comes first, or at <eos>).")

@@ -4,6 +4,7 @@ multi-process run."""
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 from pathlib import Path
 
@@ -75,7 +76,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   except Exception as e:  # config_flags raises KeyError, AttributeError, TypeError, ...
     missing = e if isinstance(e, KeyError) else e.__context__
     if isinstance(missing, KeyError):  # An override of a field the config does not have.
-      name = str(missing.args[0]).strip("'\"") if missing.args else ""
+      # ml_collections' message: the name, and on a line of its own a suggestion.
+      text = str(missing.args[0]) if missing.args else ""
+      name = text.splitlines()[0].strip("'\"") if text else ""
+      guess = re.search(r'Did you mean "(\w+)"', text)
       given = [a.split("=")[0] for a in argv
                if a.startswith("--config.") and a.split("=")[0].split(".")[-1] == name]
       flag = given[0] if given else name
@@ -83,6 +87,10 @@ def parse_flags(argv: list[str]) -> list[str]:
       if now:  # A field of the flat config the sections replaced.
         sys.exit(f"error: {flag}: no such config field; it is --config.{now} (the fields and "
                  "their meanings are in transformer_jax/config.py)")
+      if guess:
+        sys.exit(f"error: {flag}: no such config field; did you mean "
+                 f"{flag.rsplit('.', 1)[0]}.{guess.group(1)}? (the fields and their meanings "
+                 "are in transformer_jax/config.py)")
       sys.exit(f"error: {flag}: no such config field (the fields and "
                "their meanings are in transformer_jax/config.py)")
     root = e  # A config file that fails to load: the cause, not absl's wrapper.

@@ -45,11 +45,12 @@ from transformer_jax.workdir import Workdir  # noqa: E402
 
 def read_lines(path: str) -> list[str]:
   """The lines of a UTF-8 text file, ended by "\n" (or "\r\n"), as `wc -l` counts them: a
-  lone "\r" inside a line stays in it. An error names the first line that is not UTF-8."""
+  lone "\r" inside a line stays in it; "-" reads standard input. An error names the first
+  line that is not UTF-8."""
   p = Path(path)
-  if not p.is_file():
+  if path != "-" and not p.is_file():
     raise InferenceError(f"{path} does not exist or is not a file")
-  raw_lines = p.read_bytes().split(b"\n")
+  raw_lines = (sys.stdin.buffer.read() if path == "-" else p.read_bytes()).split(b"\n")
   if raw_lines[-1] == b"":  # The file ends with "\n" (or is empty).
     raw_lines.pop()
   lines = []
@@ -111,7 +112,8 @@ def define_flags():
                        "decoder rows x "
                        "source tokens (a beam's rows count; beam search gets twice the budget), "
                        "up to --batch_size; 0: --batch_size sentences in every batch.")
-  flags.DEFINE_string("input", None, "File with one source sentence a line.")
+  flags.DEFINE_string("input", None, "File with one source sentence a line; - reads standard "
+                      "input.")
   flags.DEFINE_string("output", None, "Where to write the translations of --input.")
   flags.DEFINE_string("reference", None, "Reference translations of --input: print sacreBLEU.")
   flags.DEFINE_string("split", None, "Translate this split of the workdir's dataset (e.g. "

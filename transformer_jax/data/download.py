@@ -102,6 +102,8 @@ class _Fetcher:
 
   def __init__(self, mirror: str | Path | None, log: Callable[[str], None]):
     self.mirror, self.log = mirror and Path(mirror), log
+    if self.mirror and not self.mirror.is_dir():
+      raise DownloadError(f"--mirror {mirror} is not a directory")
 
   def __call__(self, url: str) -> bytes:
     name = url.rsplit("/", 1)[-1]

@@ -125,8 +125,9 @@ def submit(batcher: "Batcher | SlotBatcher", pieces: Sequence[tuple[Sequence[int
                      f"compiling: {batcher.shapes_done} of {batcher.shapes_total} shapes done")
     queued = batcher.queued()
     if queued + len(pieces) > batcher.max_queue:
-      raise QueueFull(f"{queued} sentences are waiting and this request brings {len(pieces)}; "
-                      f"the queue holds {batcher.max_queue} (--max_queue)")
+      raise QueueFull(f"{queued} sentences are waiting and this request brings {len(pieces)} "
+                      "(a line cut at its sentence ends brings one a sentence); the queue holds "
+                      f"{batcher.max_queue} (--max_queue)")
     batcher._append([Piece(job, i, ids, kind, now) for i, (ids, kind) in enumerate(pieces)])
     batcher._cond.notify_all()
   return job

@@ -36,15 +36,18 @@ def check_same_model(saved: config_lib.Config, cfg: config_lib.Config) -> None:
   must not restore, say, unscanned parameters into a scanned model)."""
   before, after = dataclasses.asdict(saved.model), dataclasses.asdict(cfg.model)
   # How the embedding gradient is formed changes no parameter: a run may resume with another.
-  changed = [f"model.{k}" for k in after if before[k] != after[k] and k != "embed_grad"]
+  changed = [(f"model.{k}", after[k], before[k]) for k in after
+             if before[k] != after[k] and k != "embed_grad"]
   shaping = ("dataset", "tokenizer", "vocab_size")
   if cfg.model.positions == "learned":  # A row of parameters for each position.
     shaping += ("max_len",)
-  changed += [f"data.{k}" for k in shaping if getattr(saved.data, k) != getattr(cfg.data, k)]
+  changed += [(f"data.{k}", getattr(cfg.data, k), getattr(saved.data, k)) for k in shaping
+              if getattr(saved.data, k) != getattr(cfg.data, k)]
   if bool(saved.step.ema_decay) != bool(cfg.step.ema_decay):
-    changed.append("step.ema_decay")  # The checkpoints hold a moving average or do not.
-  config_lib.check(not changed, "the workdir's checkpoints are of another model: "
-                   + ", ".join(changed) + f" differ from its {CONFIG}")
+    # The checkpoints hold a moving average or do not.
+    changed.append(("step.ema_decay", cfg.step.ema_decay, saved.step.ema_decay))
+  config_lib.check(not changed, "the workdir's checkpoints are of another model: " + ", ".join(
+      f"{name}={now!r} (its {CONFIG}: {was!r})" for name, now, was in changed))
 
 
 def _warn_if_the_learning_rates_move(saved: config_lib.Config, cfg: config_lib.Config,
