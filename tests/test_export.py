@@ -85,9 +85,10 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
   # A fresh interpreter given only the exported directory and the runner module.
   runner = tmp_path / "runner"
   runner.mkdir()
-  (runner / "transformer_jax").mkdir()
-  for name in ("__init__.py", "exported.py"):  # The package's __init__ imports nothing.
-    shutil.copy(ROOT / "transformer_jax" / name, runner / "transformer_jax")
+  (runner / "transformer_jax" / "serving").mkdir(parents=True)
+  # The packages' __init__ files import nothing.
+  for name in ("__init__.py", "serving/__init__.py", "serving/exported.py"):
+    shutil.copy(ROOT / "transformer_jax" / name, runner / "transformer_jax" / name)
   sentences = validation[:24]
   script = (
       "import json, sys\n"
@@ -102,7 +103,8 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   got = json.loads(done.stdout.splitlines()[-1])
-  assert got["modules"] == ["transformer_jax", "transformer_jax.serving.exported"]
+  assert got["modules"] == ["transformer_jax", "transformer_jax.serving",
+                            "transformer_jax.serving.exported"]
 
   translator = Translator(workdir)
   width = export.source_widths(translator.max_src_len)[0]

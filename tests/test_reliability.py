@@ -178,10 +178,10 @@ def test_a_second_run_on_a_busy_workdir_is_one_line_and_writes_nothing(tmp_path,
   os.killpg(first.pid, signal.SIGTERM)
   assert first.wait(timeout=120) == 0, "".join(lines[-40:])
   reader.join()
-  # One writer: every step logged once, and the lock released with no holder named.
+  # One writer: every step logged once, and the lock released (its file gone with it).
   steps = [r["step"] for r in _train_records(tmp_path)]
   assert len(steps) >= 2 and steps == list(range(1, len(steps) + 1))
-  assert (tmp_path / "writer.lock").read_text() == ""
+  assert not (tmp_path / "writer.lock").exists()
 
 
 def _finite_checkpoints(workdir) -> list[int]:

@@ -6,7 +6,7 @@
     checkpoints/STEP/    orbax checkpoints: train state, data position, fingerprints
     metrics.jsonl        training and evaluation scalars; TensorBoard events beside it
     jax_cache/           JAX's compilation cache (unless compilation_cache_dir says otherwise)
-    writer.lock          held by the run writing the workdir (its process and host inside)
+    writer.lock          while a run writes the workdir: held by it (its process and host inside)
 
 train.py resumes from one (training/resume.py checks it first); translate, average, visualize
 and the AOT tools open one (models/trained.py).
@@ -67,22 +67,31 @@ class Workdir:
   def writer_lock(self):
     """Holds the workdir's writer lock while the block runs: one run writes a workdir at a time.
 
-    The lock is the operating system's (flock on `writer.lock`), so a run that dies, however
-    it dies, holds it no longer; the file names the process that holds it, or last held it.
+    The lock is the operating system's (flock on `writer.lock`, which names the process that
+    holds it), so a run that dies, however it dies, holds it no longer; the file is removed
+    when the block ends, and one left behind (a killed run's) is taken over with a warning.
 
     Raises:
       WorkdirError: another process holds it (the message names that process).
     """
     made = not self.path.exists()
     self.path.mkdir(parents=True, exist_ok=True)
-    lock = open(self.path / LOCK, "a+", encoding="utf-8")
-    try:
-      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    path = self.path / LOCK
+    while True:
+      lock = open(path, "a+", encoding="utf-8")
+      try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        lock.close()
+        self._raise_busy()
+      try:  # Its holder may have removed the file as this one opened it: lock the new one.
+        if os.path.samestat(os.fstat(lock.fileno()), os.stat(path)):
+          break
+      except FileNotFoundError:
+        pass
       lock.close()
-      self._raise_busy()
     lock.seek(0)
-    if previous := lock.read().strip():  # A run that ended without releasing it: killed.
+    if previous := lock.read().strip():  # A run that ended without removing it: killed.
       logging.warning("%s was left locked by %s, which has ended: taking it over", self.path,
                       previous)
     lock.seek(0)
@@ -92,12 +101,9 @@ class Workdir:
     try:
       yield
     finally:
-      lock.seek(0)
-      lock.truncate()  # Released: no holder to name.
-      lock.flush()
-      if made and [p.name for p in self.path.iterdir()] == [LOCK]:
-        (self.path / LOCK).unlink()  # A run that wrote nothing (it failed first) leaves nothing.
-        self.path.rmdir()
+      path.unlink()  # Before the unlock: whoever locks next locks a file of its own.
+      if made and not any(self.path.iterdir()):
+        self.path.rmdir()  # A run that wrote nothing (it failed first) leaves nothing.
       fcntl.flock(lock, fcntl.LOCK_UN)
       lock.close()
 

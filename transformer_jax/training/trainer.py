@@ -31,10 +31,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   checks.check_data_dir(cfg)
   mesh = checks.checked_mesh(cfg)
   run_dir = Workdir(workdir)
-  run_dir.check_free()
+  primary = jax.process_index() == 0
+  if primary:  # The first host holds the writer lock for every host of the run.
+    run_dir.check_free()
   resume.check_resumable(run_dir, cfg)
   fs.check_writable(run_dir.path, "--workdir")
-  primary = jax.process_index() == 0
   # One run writes a workdir at a time (the first host holds the lock for them all).
   with run_dir.writer_lock() if primary else contextlib.nullcontext():
     return _train(cfg, mesh, run_dir)
