@@ -20,16 +20,22 @@ def _site_without_this_package(directory: Path) -> Path:
   return directory
 
 
-def test_an_editable_install_runs_the_dataset_builders(tmp_path):
-  """tfds reads a builder's directory through importlib.resources: on a namespace package an
-  editable install's path holds setuptools' finder entry, and every builder failed with
-  "MultiplexedPath only supports directories"."""
-  source = tmp_path / "source"  # A copy: an editable install writes its metadata beside it.
+def _source_copy(tmp_path: Path) -> Path:
+  """The package's installable files, copied into tmp_path/source."""
+  source = tmp_path / "source"
   source.mkdir()
   for name in ("pyproject.toml", "README.md", "LICENSE"):
     shutil.copy(ROOT / name, source)
   shutil.copytree(ROOT / "transformer_jax", source / "transformer_jax",
                   ignore=shutil.ignore_patterns("__pycache__"))
+  return source
+
+
+def test_an_editable_install_runs_the_dataset_builders(tmp_path):
+  """tfds reads a builder's directory through importlib.resources: on a namespace package an
+  editable install's path holds setuptools' finder entry, and every builder failed with
+  "MultiplexedPath only supports directories"."""
+  source = _source_copy(tmp_path)  # An editable install writes its metadata beside it.
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
   site = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; "
@@ -57,12 +63,7 @@ def test_a_plain_install_runs_every_command_that_needs_no_extra(tmp_path, traine
   bring a package in unseen): each command's smallest real use on the smoke run; the commands
   that need an extra say which in one line. A dependency the package uses but does not declare
   fails here (jax.export's serialization needs flatbuffers, which jax does not declare)."""
-  source = tmp_path / "source"  # A copy: pip builds beside its source.
-  source.mkdir()
-  for name in ("pyproject.toml", "README.md", "LICENSE"):
-    shutil.copy(ROOT / name, source)
-  shutil.copytree(ROOT / "transformer_jax", source / "transformer_jax",
-                  ignore=shutil.ignore_patterns("__pycache__"))
+  source = _source_copy(tmp_path)  # pip builds beside its source.
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
   python = str(venv / "bin" / "python")
