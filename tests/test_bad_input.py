@@ -15,7 +15,7 @@ from transformer_jax import config as config_lib
 from transformer_jax.training import steps as step_lib, trainer
 from transformer_jax.workdir import WorkdirError
 from tests.conftest import DATA, ROOT
-from transformer_jax.data import sources
+from transformer_jax.data import builders
 from transformer_jax.data.builders import DatasetError
 from transformer_jax.data.tokenizer import TokenizerError
 
@@ -165,11 +165,41 @@ def test_a_bad_split_is_named(smoke_config, tmp_path, split, message):
 
 
 def test_no_data_dir_and_an_unreachable_source_fails_fast(smoke_config, tmp_path, monkeypatch):
-  monkeypatch.setitem(sources.DOWNLOAD_HOSTS, "fra_eng", "127.0.0.1")  # Nothing listens on 443.
+  url = "http://127.0.0.1:9/fra-eng.zip"  # Nothing listens on port 9.
+  monkeypatch.setattr(builders, "FRA_ENG_URL", url)
   smoke_config.data.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))
   with pytest.raises(DatasetError, match="fra_eng is not prepared in tfds_dir and its source "
-                     "127.0.0.1 cannot be reached"):
+                     f"{url} cannot be reached"):
     trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_source_that_answers_404_is_one_line(smoke_config, tmp_path, monkeypatch):
+  """A download URL that answers an HTTP error (a moved file) is named with the error before
+  tfds tries it (an 85-line traceback before)."""
+  import http.server
+  import threading
+
+  class Gone(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self):  # noqa: N802 (http.server's naming)
+      self.send_error(404)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gone)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    url = f"http://127.0.0.1:{server.server_port}/fra-eng.zip"
+    monkeypatch.setattr(builders, "FRA_ENG_URL", url)
+    smoke_config.data.update(data_dir="", tfds_dir=str(tmp_path / "tfds"))
+    with pytest.raises(DatasetError) as raised:
+      trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  finally:
+    server.shutdown()
+  assert str(raised.value) == (f"dataset fra_eng is not prepared in tfds_dir and its source {url} "
+                               "answered 404 Not Found; set data_dir to a directory with its "
+                               "raw files")
   assert not (tmp_path / "w").exists()
 
 

@@ -21,19 +21,36 @@ DOWNLOAD_HOSTS = {
     "wmt14_en_de": "www.statmt.org", "wmt14_en_fr": "www.statmt.org",
     "shakespeare": builders.SHAKESPEARE_URL.split("/")[2],
 }
+# The one file a dataset downloads, where it is one (read when checked: tests point them
+# elsewhere).
+DOWNLOAD_URLS = {"fra_eng": lambda: builders.FRA_ENG_URL,
+                 "shakespeare": lambda: builders.SHAKESPEARE_URL}
 
 
 def _check_reachable(name: str, host: str | None, timeout: float = 10.0) -> None:
-  """Fails fast where a download cannot work, instead of tfds's minutes of retries."""
+  """Fails fast where a download cannot work, instead of tfds's minutes of retries: the
+  dataset's file is asked for its headers where its URL is known (an HTTP error, a 404 say, is
+  one line), else its host is connected to."""
   import socket
-  if host is None:
+  import urllib.error
+  import urllib.request
+  url = DOWNLOAD_URLS.get(name, lambda: None)()
+  if host is None and url is None:
     return
   try:
-    socket.create_connection((host, 443), timeout=timeout).close()
-  except OSError as e:
+    if url:
+      urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    else:
+      socket.create_connection((host, 443), timeout=timeout).close()
+  except urllib.error.HTTPError as e:
     raise builders.DatasetError(
-        f"dataset {name} is not prepared in tfds_dir and its source {host} cannot be reached "
-        f"({e}); set data_dir to a directory with its raw files") from None
+        f"dataset {name} is not prepared in tfds_dir and its source {url} answered {e.code} "
+        f"{e.reason}; set data_dir to a directory with its raw files") from None
+  except (OSError, urllib.error.URLError) as e:
+    raise builders.DatasetError(
+        f"dataset {name} is not prepared in tfds_dir and its source {url or host} cannot be "
+        f"reached ({getattr(e, 'reason', e)}); set data_dir to a directory with its raw files"
+        ) from None
 
 
 _HASHED_BYTES = 64 * 2 ** 20  # Larger raw files are known by name, size and time instead.
