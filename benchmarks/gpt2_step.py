@@ -89,32 +89,19 @@ def peer(config, batch, compiled: bool):
   import torch
   import torch.nn.functional as F
   from torch import nn
+  from benchmarks.torch_block import Block
   dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
   c = config_lib.parse(config)
   m, o = c.model, c.optimizer
   d, heads, vocab = m.d_model, m.num_heads, build.padded_vocab(c.data.vocab_size)
   torch.manual_seed(0)
 
-  class Block(nn.Module):
-    def __init__(self):
-      super().__init__()
-      self.ln1, self.ln2 = nn.LayerNorm(d, eps=m.layer_norm_eps), nn.LayerNorm(d,
-                                                                              eps=m.layer_norm_eps)
-      self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-      self.ffn = nn.Sequential(nn.Linear(d, m.ffn_dim), nn.ReLU(), nn.Linear(m.ffn_dim, d))
-
-    def forward(self, x):
-      b, t, _ = x.shape
-      q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-      y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, N, T, H]
-      x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
-      return x + self.ffn(self.ln2(x))
-
   class GPT(nn.Module):
     def __init__(self):
       super().__init__()
       self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(c.data.max_len, d)
-      self.blocks = nn.ModuleList(Block() for _ in range(m.num_decoder_layers))
+      self.blocks = nn.ModuleList(Block(d, heads, m.ffn_dim, m.layer_norm_eps)
+                                  for _ in range(m.num_decoder_layers))
       self.ln = nn.LayerNorm(d, eps=m.layer_norm_eps)
 
     def forward(self, tokens, targets):

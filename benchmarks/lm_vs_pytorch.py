@@ -95,6 +95,7 @@ def train_torch(cfg, data, eval_data, seconds: float) -> dict:
   import torch
   import torch.nn.functional as F
   from torch import nn
+  from benchmarks.torch_block import Block
   dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
   if dev == "cpu":
     torch.set_num_threads(os.cpu_count())
@@ -102,30 +103,14 @@ def train_torch(cfg, data, eval_data, seconds: float) -> dict:
   m = cfg.model
   d, heads, vocab = m.d_model, m.num_heads, build.padded_vocab(data.tokenizers.tgt.vocab_size)
 
-  class Block(nn.Module):
-    def __init__(self):
-      super().__init__()
-      self.ln1, self.ln2 = nn.LayerNorm(d, eps=m.layer_norm_eps), nn.LayerNorm(d,
-                                                                              eps=m.layer_norm_eps)
-      self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-      self.ffn = nn.Sequential(nn.Linear(d, m.ffn_dim), nn.ReLU(), nn.Linear(m.ffn_dim, d))
-      self.drop = nn.Dropout(m.dropout_rate)
-
-    def forward(self, x, mask):
-      b, t, _ = x.shape
-      q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-      y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                         dropout_p=m.dropout_rate if self.training else 0.0)
-      x = x + self.drop(self.out(y.transpose(1, 2).reshape(b, t, d)))
-      return x + self.drop(self.ffn(self.ln2(x)))
-
   class GPT(nn.Module):
     def __init__(self):
       super().__init__()
       self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(cfg.data.max_len, d)
       for table in (self.tok, self.pos):  # As ours: N(0, 1 / d_model), scaled by sqrt(d_model).
         nn.init.normal_(table.weight, std=d ** -0.5)
-      self.blocks = nn.ModuleList(Block() for _ in range(m.num_decoder_layers))
+      self.blocks = nn.ModuleList(Block(d, heads, m.ffn_dim, m.layer_norm_eps, m.dropout_rate)
+                                  for _ in range(m.num_decoder_layers))
       self.ln = nn.LayerNorm(d, eps=m.layer_norm_eps)
       self.drop = nn.Dropout(m.dropout_rate)
 

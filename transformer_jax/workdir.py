@@ -101,8 +101,10 @@ class Workdir:
     try:
       yield
     finally:
-      path.unlink()  # Before the unlock: whoever locks next locks a file of its own.
-      if made and not any(self.path.iterdir()):
+      # Before the unlock: whoever locks next locks a file of its own. (missing_ok: a user may
+      # have removed the workdir; the block's own error, if any, is the one to report.)
+      path.unlink(missing_ok=True)
+      if made and self.path.is_dir() and not any(self.path.iterdir()):
         self.path.rmdir()  # A run that wrote nothing (it failed first) leaves nothing.
       fcntl.flock(lock, fcntl.LOCK_UN)
       lock.close()
