@@ -203,6 +203,72 @@ def test_a_source_that_answers_404_is_one_line(smoke_config, tmp_path, monkeypat
   assert not (tmp_path / "w").exists()
 
 
+def _tree_hashes(root):
+  import hashlib
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file()
+          else "dir" for p in sorted(root.rglob("*"))}
+
+
+def test_ctrl_c_during_a_download_exits_at_once_and_leaves_nothing(tmp_path):
+  """A download that trickles: the first Ctrl-C ends train.py with its one line and status 130
+  (it waited for tfds's download thread before), and tfds's partial files are gone."""
+  import http.server
+  import signal
+  import threading
+  import time
+  asked = threading.Event()
+
+  class Trickle(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self):  # noqa: N802 (http.server's naming)
+      self.send_response(200)
+      self.send_header("Content-Length", str(10 ** 8))
+      self.end_headers()
+
+    def do_GET(self):  # noqa: N802
+      self.do_HEAD()
+      asked.set()
+      try:
+        for _ in range(600):
+          self.wfile.write(b"x" * 100)
+          self.wfile.flush()
+          time.sleep(0.5)
+      except OSError:
+        pass
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  tfds = tmp_path / "tfds"
+  (tfds / "other").mkdir(parents=True)
+  (tfds / "other" / "kept.txt").write_text("a user's file")
+  before = _tree_hashes(tfds)
+  script = ("import sys; from transformer_jax.data import builders; "
+            f"builders.FRA_ENG_URL = 'http://127.0.0.1:{server.server_port}/fra-eng.zip'; "
+            "from transformer_jax.commands import train; train.run()")
+  process = subprocess.Popen(
+      [sys.executable, "-c", script, "--config", "configs/fra_eng.py:smoke",
+       "--workdir", str(tmp_path / "w"), "--config.data.data_dir=",
+       f"--config.data.tfds_dir={tfds}"],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    assert asked.wait(120), "the download never started"
+    time.sleep(1)  # Some bytes written into tfds's temporary file.
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)  # Before: held until the download ended.
+  finally:
+    process.kill()
+    server.shutdown()
+  assert process.returncode == 130
+  assert stderr.splitlines()[-1] == ("error: interrupted before training started; nothing was "
+                                     "saved. Run the same command to start again")
+  assert "Traceback" not in stderr
+  assert _tree_hashes(tfds) == before
+  assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.parametrize("content", [b"", b"\x00garbage that is not a sentencepiece model"])
 def test_damaged_tokenizer_file_is_named(smoke_config, tmp_path, content):
   workdir = tmp_path / "w"

@@ -170,6 +170,8 @@ def test_a_directory_of_text_files_reads_as_documents(tmp_path):
   (tmp_path / "blank.txt").write_text("  \n")
   (tmp_path / "b.lines.txt").write_text("one\n\ntwo\n")
   (tmp_path / "notes.md").write_text("not a document")
+  (tmp_path / "_about.txt").write_text("Where the corpus came from: a note, not a document.")
+  (tmp_path / ".hidden.txt").write_text("an editor's file")
   assert builders.read_documents(tmp_path) == {
       "a.txt": "First document.\nIts second line.\n", "b.lines.txt:1": "one",
       "b.lines.txt:3": "two"}
@@ -178,6 +180,8 @@ def test_a_directory_of_text_files_reads_as_documents(tmp_path):
 @pytest.mark.parametrize("files, message", [
     ({}, "holds 0 non-blank documents: a language model's corpus needs at least 2"),
     ({"only.txt": "one work"}, "holds 1 non-blank document: a language model's corpus"),
+    ({"_about.txt": "the fra-eng folder's note"}, "holds 0 non-blank documents.*names beginning "
+     "with _ or . are notes"),
     ({"a.txt": "x", "b.txt": b"caf\xe9"}, "b.txt is not UTF-8 text"),
 ])
 def test_a_corpus_without_documents_to_hold_out_is_one_line(tmp_path, files, message):

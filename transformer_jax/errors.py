@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging as std_logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 from absl import logging
@@ -57,7 +59,18 @@ def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[
   except KeyboardInterrupt:
     _flush()
     print(f"error: {interrupted}", file=sys.stderr)
+    if _busy_threads():
+      # A library's worker thread (tfds's downloads) would hold the exit until its work ends.
+      sys.stderr.flush()
+      sys.stdout.flush()
+      os._exit(130)
     sys.exit(130)
+
+
+def _busy_threads() -> list[threading.Thread]:
+  """The threads besides this one that Python waits for at exit."""
+  return [t for t in threading.enumerate()
+          if t is not threading.current_thread() and not t.daemon and t.is_alive()]
 
 
 _interrupted: list[int] = []

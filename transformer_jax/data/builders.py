@@ -237,11 +237,13 @@ def _text_of(path: Path) -> str:
 
 def read_documents(directory: Path) -> dict[str, str]:
   """name -> text of the documents of a directory: each *.txt file is one document, except
-  that each non-blank line of a *.lines.txt file is one (named FILE:LINE). Blank documents are
-  left out. Raises DatasetError where none is left, or where only one is (nothing to hold
-  out)."""
+  that each non-blank line of a *.lines.txt file is one (named FILE:LINE). Blank documents and
+  files whose names begin with `_` or `.` (notes about a corpus, as `_about.txt`) are left out.
+  Raises DatasetError where none is left, or where only one is (nothing to hold out)."""
   docs = {}
   for path in sorted(directory.glob("*.txt")):
+    if path.name.startswith(("_", ".")):
+      continue
     text = _text_of(path)
     if path.name.endswith(".lines.txt"):
       docs.update((f"{path.name}:{i}", line) for i, line in enumerate(text.splitlines(), 1)
@@ -252,7 +254,8 @@ def read_documents(directory: Path) -> dict[str, str]:
     raise DatasetError(
         f"{directory} holds {len(docs)} non-blank document{'s' * (len(docs) != 1)}: a language "
         "model's corpus needs at least 2 (*.txt files, one document each, or *.lines.txt "
-        "files, one document a line), so that whole documents are held out for validation")
+        "files, one document a line; names beginning with _ or . are notes, not documents), "
+        "so that whole documents are held out for validation")
   return docs
 
 

@@ -234,7 +234,7 @@ class TrainStream:
       if self._current is not None:
         self._block, self._batch = self._block + 1, 0
       if self._iter is None:
-        self._iter = workers.ordered_map(self._block, 2 ** 62, self.blocks, self.num_workers)
+        self._iter = workers.OrderedMap(self._block, 2 ** 62, self.blocks, self.num_workers)
       self._current = next(self._iter)
       assert int(self._current["block"]) == self._block, "blocks arrived out of order"
     batch = {k: self._current[k][self._batch] for k in self.features}
@@ -242,7 +242,7 @@ class TrainStream:
     return batch
 
   def close(self) -> None:
-    if self._iter is not None and hasattr(self._iter, "close"):
+    if self._iter is not None:
       self._iter.close()
     self._iter, self._current = None, None
 

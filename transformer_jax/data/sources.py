@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import tensorflow_datasets as tfds
@@ -99,12 +100,34 @@ def prepare(name: str, tfds_dir: str, data_dir: str | None, cache_dir: str = "")
     config = spec.tfds_name.split("/")[1] if "/" in spec.tfds_name else None
     builder = getattr(builders, spec.builder)(data_dir=tfds_dir, config=config,
                                               file_format="array_record")
-  if not data_dir and not builder.is_prepared():
+  if builder.is_prepared():
+    return builder
+  if not data_dir:
     _check_reachable(name, DOWNLOAD_HOSTS.get(name))
   download_config = tfds.download.DownloadConfig(
       manual_dir=str(Path(data_dir).resolve()) if data_dir else None)
-  builder.download_and_prepare(download_config=download_config)
+  before = _paths_under(tfds_dir)
+  try:
+    builder.download_and_prepare(download_config=download_config)
+  except KeyboardInterrupt:
+    # tfds leaves its partial downloads (*.tmp.*) and folders behind: what this call added goes.
+    _remove_new_paths(tfds_dir, before)
+    raise
   return builder
+
+
+def _paths_under(directory: str) -> set[Path]:
+  root = Path(directory)
+  return {root, *root.rglob("*")} if root.exists() else set()
+
+
+def _remove_new_paths(directory: str, before: set[Path]) -> None:
+  """Removes what is under `directory` (and itself) but not in `before`, deepest first."""
+  for path in sorted(_paths_under(directory) - before, key=lambda p: len(p.parts), reverse=True):
+    if path.is_dir() and not path.is_symlink():
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      path.unlink(missing_ok=True)
 
 
 def tfds_dir_of(cfg) -> str:

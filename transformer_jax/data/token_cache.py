@@ -145,7 +145,7 @@ def _write(tmp: Path, text, tokenizers, tokenizer_fingerprint: str, chunk_size: 
   last_log, done = start, 0
   files = {side: open(tmp / f"{side}.tokens", "wb") for side in sides}
   try:
-    it = workers.ordered_map(
+    it = workers.OrderedMap(
         0, num_chunks, _EncodeChunk(text, tuple(tokenizers), chunk_size, dtype, sides),
         num_workers)
     for _ in range(num_chunks):
@@ -158,8 +158,7 @@ def _write(tmp: Path, text, tokenizers, tokenizer_fingerprint: str, chunk_size: 
         last_log = time.perf_counter()
         logging.info("Tokenizing %s: %d of %d pairs (%.0f pairs/s)", text.split, done, len(text),
                      done / (last_log - start))
-    if hasattr(it, "close"):
-      it.close()
+    it.close()
   finally:
     for f in files.values():
       f.close()
