@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,11 +29,41 @@ def pytest_sessionstart(session):
         "shakespeare/")
 
 
+def _run_dir(tmp_path_factory) -> Path:
+  """A directory of this pytest run that its xdist workers share (each worker's basetemp lies
+  in it); the basetemp itself without xdist."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _run_lock(tmp_path_factory, name: str):
+  """An exclusive lock of the run's workers on `name` (a file lock: one worker at a time)."""
+  with open(_run_dir(tmp_path_factory) / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _tree_digest(root: Path) -> str:
+  digest = hashlib.sha256()
+  for path in sorted(root.rglob("*")):
+    digest.update(str(path.relative_to(root)).encode() + b"\0")
+    if path.is_file():
+      digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-  """One persistent compilation cache for the train.py processes the tests start (the same
-  smoke programs compile once)."""
-  return tmp_path_factory.mktemp("jax_cache")
+  """One persistent compilation cache for the whole run: every xdist worker and every process
+  the tests start (train.py, translate, serve), so that a program compiles once a run (jax
+  writes an entry whole or, read half-written by another process, compiles it again)."""
+  path = _run_dir(tmp_path_factory) / "jax_cache"
+  path.mkdir(exist_ok=True)
+  return path
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +100,8 @@ def tiny_model_config(**overrides):
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
   """A 20-step smoke run with checkpoints 10 and 20, keeping a moving average of the parameters
-  whatever the recipe does (tests copy it before changing it)."""
+  whatever the recipe does. Trained once a run by the first worker that asks, and read by all:
+  tests copy it before changing it, and each worker checks at its end that it did not change."""
   from transformer_jax.training import trainer
   from configs import fra_eng
   config = fra_eng.get_config("smoke")
@@ -74,6 +109,12 @@ def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
   config.eval.bleu_sentences = 0
   config.run.compilation_cache_dir = str(cache_dir)
   config.step.ema_decay = 0.9
-  workdir = tmp_path_factory.mktemp("trained")
-  trainer.train_and_evaluate(config, str(workdir))
-  return config, workdir
+  workdir = _run_dir(tmp_path_factory) / "trained"
+  with _run_lock(tmp_path_factory, "trained"):
+    done = workdir.with_name("trained.sha256")
+    if not done.exists():
+      shutil.rmtree(workdir, ignore_errors=True)  # A worker that failed halfway.
+      trainer.train_and_evaluate(config, str(workdir))
+      done.write_text(_tree_digest(workdir))
+  yield config, workdir
+  assert _tree_digest(workdir) == done.read_text(), f"a test changed the shared run {workdir}"

@@ -182,7 +182,8 @@ def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, shor
   # request's 4 sentences stay queued (two decoders would each take their share at once).
   _, workdir = trained
   process, port, log = _serve(workdir, tmp_path, "--max_queue=4", "--max_sentences=4",
-                              "--max_wait_ms=3000", "--decoders=1", "--slots=0")
+                              "--max_wait_ms=3000", "--decoders=1", "--slots=0",
+                              "--batch_size=4")  # Batches of at most 4: fewer shapes to compile.
   lengths = [len(ids) + 1 for ids in Workdir(workdir).tokenizers().src.encode(sources)]
   narrow = [s for s, n in zip(sources, lengths) if n <= 8]
   wide = [s for s, n in zip(sources, lengths) if 8 < n <= 16]
@@ -211,7 +212,7 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(trained, tmp_path, 
                                                               expected):
   _, workdir = trained
   process, port, log = _serve(workdir, tmp_path, "--max_wait_ms=3000", "--decoders=1",
-                              "--slots=0")
+                              "--slots=0", "--batch_size=8")
   results, threads = {}, []
   for r in range(3):
     threads.append(_send_in_thread(
@@ -240,7 +241,8 @@ def test_a_client_stalled_halfway_through_its_request_does_not_hold_up_shutdown(
   client held on)."""
   import socket
   _, workdir = trained
-  process, port, log = _serve(workdir, tmp_path, "--shutdown_timeout=5")
+  # Nothing is decoded: batches of one sentence, the fewest shapes to compile.
+  process, port, log = _serve(workdir, tmp_path, "--shutdown_timeout=5", "--batch_size=1")
   with socket.create_connection(("127.0.0.1", port)) as stalled:
     body = json.dumps({"sentences": ["Hello."]}).encode()
     stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

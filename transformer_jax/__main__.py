@@ -3,6 +3,7 @@
   train       train a config in a workdir, resuming from its latest checkpoint (as train.py)
   translate   translate sentences, a file or a split with a trained workdir; sacreBLEU
   generate    continue text prompts with a trained language model (greedy or sampled)
+  fill        the likeliest tokens for each [MASK] of a text, with a masked language model
   average     a new workdir with the mean parameters of a workdir's last checkpoints
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
@@ -17,7 +18,8 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("train", "translate", "generate", "average", "visualize", "aot", "export", "serve", "download")
+COMMANDS = ("train", "translate", "generate", "fill", "average", "visualize", "aot", "export",
+            "serve", "download")
 
 # Commands that have written all they make (their output files closed, their checkpoints only
 # read) when they end, and which then leave at once: tearing jax's runtime down, its compiled

@@ -132,7 +132,9 @@ class DataConfig(_Section):
     check(self.concat_max >= 1, f"data.concat_max={self.concat_max} must be at least 1 (pairs)")
 
 
-FAMILIES = ("encoder_decoder", "decoder_only")
+FAMILIES = ("encoder_decoder", "decoder_only", "encoder_only")
+# The families whose data is documents (language models), not sentence pairs.
+DOCUMENT_FAMILIES = ("decoder_only", "encoder_only")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,11 +142,14 @@ class ModelConfig(_Section):
   """The Transformer's shape and numerics (the vocabularies come from the tokenizers)."""
   NAME = "model"
   # "encoder_decoder": the paper's translation model; "decoder_only": a GPT-style language
-  # model of num_decoder_layers blocks of causal self-attention and FFN (num_encoder_layers=0).
+  # model of num_decoder_layers blocks of causal self-attention and FFN (num_encoder_layers=0);
+  # "encoder_only": a BERT-style encoder of num_encoder_layers bidirectional blocks, pretrained
+  # by masked language modelling (num_decoder_layers=0).
   family: str = "encoder_decoder"
   # Positions added to the embeddings: "sinusoidal" (the paper's) or "learned" (a table of
-  # data.max_len rows; decoder_only models).
+  # data.max_len rows; language models).
   positions: str = "sinusoidal"
+  activation: str = "relu"  # The FFN's: "relu" (the paper's) or "gelu" (BERT's, GPT-2's).
   d_model: int = 512
   num_heads: int = 8
   ffn_dim: int = 2048
@@ -180,14 +185,21 @@ class ModelConfig(_Section):
           f"model.family={self.family!r} must be one of {', '.join(FAMILIES)}")
     check(self.positions in ("sinusoidal", "learned"),
           f"model.positions={self.positions!r} must be sinusoidal or learned")
+    check(self.activation in ("relu", "gelu"),
+          f"model.activation={self.activation!r} must be relu or gelu")
     if self.family == "decoder_only":
       check(self.num_encoder_layers == 0, f"model.num_encoder_layers={self.num_encoder_layers} "
             "is a translation field: a decoder_only model has num_decoder_layers blocks (set "
             "model.num_encoder_layers=0)")
       self._positive("d_model", "num_heads", "ffn_dim", "num_decoder_layers")
+    elif self.family == "encoder_only":
+      check(self.num_decoder_layers == 0, f"model.num_decoder_layers={self.num_decoder_layers} "
+            "is a decoder field: an encoder_only model has num_encoder_layers blocks (set "
+            "model.num_decoder_layers=0)")
+      self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers")
     else:
       check(self.positions == "sinusoidal", f"model.positions={self.positions!r} is for "
-            "model.family='decoder_only' (an encoder-decoder adds sinusoidal positions)")
+            "language models (an encoder-decoder adds sinusoidal positions)")
       self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers",
                      "num_decoder_layers")
     check(self.d_model % self.num_heads == 0,
@@ -373,14 +385,15 @@ class Config:
           f"{data.batch_size} (the rows of one optimizer step)")
     check(data.max_len % step.loss_chunks == 0,
           f"step.loss_chunks={step.loss_chunks} must divide data.max_len={data.max_len}")
-    if self.model.family == "decoder_only":  # Translation fields a language model cannot use.
+    family = self.model.family
+    if family in DOCUMENT_FAMILIES:  # Translation fields a language model cannot use.
       for field, value, ok, why in (
           ("eval.bleu_sentences", self.eval.bleu_sentences, 0, "BLEU scores translations"),
           ("data.concat_prob", data.concat_prob, 0.0, "it joins sentence pairs"),
           ("data.tokenizer", data.tokenizer, "sentencepiece", "documents take a lossless "
            "SentencePiece")):
         check(value == ok, f"{field}={value!r} is a translation field ({why}): set it to "
-              f"{ok!r} for model.family='decoder_only'")
+              f"{ok!r} for model.family={family!r}")
     check(self.model.attention_mask == "segments" or not data.packing,
           f"model.attention_mask={self.model.attention_mask!r} takes one sequence a row: set "
           "data.packing=False (packed rows need attention_mask='segments')")
@@ -443,7 +456,7 @@ def names_this_projects_fields(saved: Mapping[str, Any]) -> bool:
 # Fields added after runs were saved, and the value a saved config without them was trained
 # with (a default may change; what an old run computed may not).
 _VALUE_BEFORE_FIELD = {("model", "layer_norm_eps"): 1e-6, ("model", "family"): "encoder_decoder",
-                       ("model", "positions"): "sinusoidal"}
+                       ("model", "positions"): "sinusoidal", ("model", "activation"): "relu"}
 
 
 def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,
@@ -504,12 +517,14 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 vocab_size=min(c.data.vocab_size, 500), max_len=min(c.data.max_len, 32),
                 batch_size=16)
   c.eval.update(batch_size=64, bleu_sentences=64, every=10)
-  lm = c.model.family == "decoder_only"
+  lm = c.model.family in DOCUMENT_FAMILIES
   if lm:  # A corpus of a few dozen documents: all of them; the tokenizer fitted on a sample.
     c.data.update(train_split="train", eval_split="validation",
                   tokenizer_sample=min(c.data.tokenizer_sample, 20_000))
-  c.model.update(d_model=32, num_heads=4, ffn_dim=64, num_encoder_layers=0 if lm else 2,
-                 num_decoder_layers=2)
+  encoder_only = c.model.family == "encoder_only"
+  c.model.update(d_model=32, num_heads=4, ffn_dim=64,
+                 num_encoder_layers=0 if c.model.family == "decoder_only" else 2,
+                 num_decoder_layers=0 if encoder_only else 2)
   if lm:
     c.eval.bleu_sentences = 0
   c.optimizer.warmup_steps = 5

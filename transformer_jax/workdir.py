@@ -197,8 +197,10 @@ class Workdir:
     """A one-line WorkdirError where the run's model is not of `family` (`command` needs it)."""
     saved = self.load_config().model.family
     if saved != family:
-      kind = {"encoder_decoder": "translation model", "decoder_only": "language model"}
-      use = "generate" if saved == "decoder_only" else "translate"
+      kind = {"encoder_decoder": "translation model", "decoder_only": "language model",
+              "encoder_only": "masked language model"}
+      use = {"encoder_decoder": "translate", "decoder_only": "generate",
+             "encoder_only": "fill"}[saved]
       raise WorkdirError(f"{self.path} holds a {kind[saved]} (model.family={saved!r}): "
                          f"`{command}` needs a {kind[family]}; use `{use}`")
 

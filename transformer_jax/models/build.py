@@ -10,8 +10,8 @@ import jax
 
 from transformer_jax import config as config_lib
 from transformer_jax.models import embedding
-from transformer_jax.models.transformer import (LanguageModel, Transformer, TransformerConfig,
-                                                attention_impl)
+from transformer_jax.models.transformer import (LanguageModel, MaskedLanguageModel, Transformer,
+                                                TransformerConfig, attention_impl)
 
 
 def padded_vocab(size: int, multiple: int = 128) -> int:
@@ -30,10 +30,19 @@ def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
   fields["interpret_kernels"] = (platform or jax.default_backend()) != "tpu"
   fields["attention_impl"] = attention_impl(model.attention_impl, model.dtype,
                                             model.d_model // model.num_heads, platform)
+  if model.family == "encoder_only":  # The mask id follows the tokenizer's pieces.
+    src_vocab = tgt_vocab = mask_id(tgt_vocab) + 1
   return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
                            tgt_vocab_size=padded_vocab(tgt_vocab), max_len=max_len, **fields)
 
 
-def build_model(cfg: TransformerConfig) -> Transformer | LanguageModel:
+def mask_id(vocab_size: int) -> int:
+  """The id an encoder-only model reads in place of a masked token: the first after the
+  tokenizer's `vocab_size` pieces (no piece of the text can spell it)."""
+  return vocab_size
+
+
+def build_model(cfg: TransformerConfig) -> Transformer | LanguageModel | MaskedLanguageModel:
   """The module of the config's family."""
-  return LanguageModel(cfg) if cfg.family == "decoder_only" else Transformer(cfg)
+  return {"decoder_only": LanguageModel, "encoder_only": MaskedLanguageModel}.get(
+      cfg.family, Transformer)(cfg)

@@ -17,11 +17,14 @@ def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarr
   """Training FLOPs (forward + backward = 3 x forward) of one batch.
 
   src_lens, tgt_lens: [B] lengths attended over (one sentence a row; for packed rows pass the
-  per-sentence lengths of every sentence). A decoder-only model (no cross-attention) reads only
-  tgt_lens, its documents' lengths. Multiply-adds count 2 FLOPs.
+  per-sentence lengths of every sentence). A language model (decoder-only or encoder-only)
+  reads only tgt_lens, its documents' lengths. Multiply-adds count 2 FLOPs.
   """
   d, f, v = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
   s, t = src_lens.astype(np.float64), tgt_lens.astype(np.float64)
+  encoder_only = cfg.family == "encoder_only"
+  if encoder_only:  # The encoder reads the documents.
+    s = t
   enc = cfg.num_encoder_layers * (
       (8 * d * d + 4 * d * f) * s.sum()  # Q, K, V, O projections and the FFN
       + 4 * d * (s * s).sum())  # scores and weighted values over all S keys
@@ -34,6 +37,8 @@ def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarr
         + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
         + 4 * d * (t * s).sum())  # cross-attention scores and values
   out = 2 * d * v * t.sum()  # vocabulary projection
+  if encoder_only:
+    out += 2 * d * d * t.sum()  # the masked-LM head's transform
   return 3.0 * (enc + dec + out)
 
 

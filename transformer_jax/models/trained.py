@@ -55,7 +55,7 @@ def abstract_params(model: Transformer | LanguageModel):
   """The model's parameters as shapes and dtypes, still boxed with their logical axis names
   (the checkpointer turns those into shardings); nothing runs."""
   dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
+  inputs = (dummy, dummy) if model.cfg.family == "encoder_decoder" else (dummy,)
   # The key is made inside, so that nothing here runs (each op run eagerly is a program to
   # compile or load).
   return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]

@@ -1,11 +1,14 @@
-"""The encoder-decoder Transformer of "Attention Is All You Need", and the decoder-only
-language model on the same blocks, as pure linen modules.
+"""The encoder-decoder Transformer of "Attention Is All You Need", and the decoder-only and
+encoder-only language models on the same blocks, as pure linen modules.
 
 The structure follows the d2l.ai chapter: token embeddings scaled by sqrt(d_model) plus fixed
 sinusoidal positions, encoder blocks (self-attention, Add&Norm, FFN, Add&Norm), decoder blocks
 (causal self-attention, Add&Norm, cross-attention, Add&Norm, FFN, Add&Norm) and a projection to
 the target vocabulary. The language model (`LanguageModel`, model.family="decoder_only") is the
-decoder without cross-attention: causal self-attention and FFN blocks, next-token logits.
+decoder without cross-attention: causal self-attention and FFN blocks, next-token logits. The
+masked language model (`MaskedLanguageModel`, model.family="encoder_only", BERT's shape) is the
+encoder: bidirectional self-attention, then a transform (dense, activation, LayerNorm) and the
+tied vocabulary projection with its own bias.
 
 Masks come from segment ids: 0 marks padding, and tokens attend only within their own segment.
 An unpacked batch has segment id 1 on every real token, which is d2l's valid-length mask; a
@@ -26,6 +29,7 @@ Logical axis names (mapped to mesh axes only in sharding.py):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax
 import flax.linen as nn
@@ -256,6 +260,11 @@ class MultiHeadAttention(nn.Module):
     return self.attend(q, k, v, mask)
 
 
+def activation(cfg: TransformerConfig):
+  """The FFN's nonlinearity: ReLU, or GELU in its exact (erf) form, as BERT has it."""
+  return nn.relu if cfg.activation == "relu" else functools.partial(nn.gelu, approximate=False)
+
+
 class FeedForward(nn.Module):
   cfg: TransformerConfig
 
@@ -265,7 +274,7 @@ class FeedForward(nn.Module):
     h = nn.Dense(cfg.ffn_dim, dtype=cfg.compute_dtype, kernel_init=_init(("embed", "mlp")),
                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
                  name="wi")(x)  # [B, L, F]
-    h = nn.with_logical_constraint(nn.relu(h), ("batch", "length", "mlp"))
+    h = nn.with_logical_constraint(activation(cfg)(h), ("batch", "length", "mlp"))
     return nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, kernel_init=_init(("mlp", "embed")),
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
                     name="wo")(h)  # [B, L, D]
@@ -727,6 +736,74 @@ class LanguageModel(_Shared, nn.Module):
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
     return self._logits(y)[:, 0].astype(jnp.float32), {"index": index + 1, **layers}
+
+
+class MaskedLanguageModel(_Shared, nn.Module):
+  """Encoder-only (BERT-style): tokens [B, T], some replaced by the mask id -> logits [B, T, V]
+  predicting every position's original token. Attention is bidirectional within a segment:
+  packed rows hold several documents' chunks (segment ids 1, 2, ...), none attending to
+  another, and padding (segment 0) to nothing."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = Embed(cfg, cfg.tgt_vocab_size)
+    if cfg.positions == "learned":
+      self.position_embedding = self.param(
+          "position_embedding", nn.with_logical_partitioning(
+              nn.initializers.normal(cfg.d_model ** -0.5), (None, "embed")),
+          (cfg.max_len, cfg.d_model))
+    if cfg.scan_layers:
+      self.encoder_stack = ScannedEncoder(cfg)
+    else:
+      self.encoder_stack = UnrolledEncoder(cfg)
+      nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, encoder_1, ...
+    if cfg.pre_ln:
+      self.encoder_norm = _final_norm(cfg, "encoder_norm")
+    # The masked-LM head: a transform of each position's features, then the vocabulary.
+    self.mlm_dense = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype,
+                              kernel_init=_init(("embed", "mlp")),
+                              bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                     ("mlp",)))
+    self.mlm_norm = _final_norm(cfg, "mlm_norm")
+    if cfg.tie_output:
+      self.mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(
+          nn.initializers.zeros, ("vocab",)), (cfg.tgt_vocab_size,))
+    else:
+      self.output_proj = _output_projection(cfg)
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+
+  def _output_table(self):
+    return self.embed.embedding
+
+  def encode(self, tokens, segments=None, positions=None, deterministic=True):
+    """tokens: [B, T] int (0 = padding) -> the encoder's output [B, T, D]."""
+    segments, positions = _default_segments(tokens, segments, positions)
+    mask = SegmentMask(segments, segments, by_lengths=self.cfg.by_lengths)
+    x = self._inputs(self.embed, tokens, positions, deterministic)
+    x = self.encoder_stack(x, mask, deterministic)
+    return self.encoder_norm(x) if self.cfg.pre_ln else x
+
+  def features(self, tokens, segments=None, positions=None, deterministic=True):
+    """[B, T] -> the masked-LM head's transformed features [B, T, D], before the vocabulary."""
+    x = self.encode(tokens, segments, positions, deterministic)
+    return self.mlm_norm(activation(self.cfg)(self.mlm_dense(x)))
+
+  def _logits(self, y):
+    if not self.cfg.tie_output:
+      return self.output_proj(y)
+    dt = self.cfg.compute_dtype
+    return tied_logits(y.astype(dt), self._output_table().astype(dt)) + self.mlm_bias.astype(dt)
+
+  def output_weights(self):
+    if not self.cfg.tie_output:
+      return super().output_weights()
+    dt = self.cfg.compute_dtype
+    return self._output_table().astype(dt).T, self.mlm_bias.astype(dt)
+
+  def __call__(self, tokens, segments=None, positions=None, deterministic=True):
+    """tokens: [B, T] -> logits [B, T, V] (float32) for the original token at every position."""
+    return self.project(self.features(tokens, segments, positions, deterministic))
 
 
 def _default_segments(tokens, segments, positions):

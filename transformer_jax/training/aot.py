@@ -116,7 +116,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   vocab = data.vocab_size
   model_cfg = build.model_config(cfg.model, vocab, vocab, platform=target.platform,
                                     max_len=data.max_len)
-  documents = model_cfg.family == "decoder_only"
+  documents = model_cfg.family in config_lib.DOCUMENT_FAMILIES
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu" and not cudnn_found():
     raise AotError(
         f"cuDNN's fused attention (model.attention_impl={cfg.model.attention_impl!r}: "
@@ -127,7 +127,8 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = step_lib.abstract_train_state(
       model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
-  p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step)
+  masking = step_lib.masking_of(model_cfg.family, vocab)
+  p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   n = len(devices)
   report = {
       "target": target.name, "platform": target.platform, "chip": target.chip,
@@ -151,8 +152,12 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
         return p_train.lower(state, _abstract_batch(data.batch_size, data.max_len, mesh,
                                                     documents))
       if name == "eval":
-        return p_eval.lower(state, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh,
-                                                   documents))
+        batch = _abstract_batch(cfg.eval.batch_size, data.max_len, mesh, documents)
+        if masking:  # Evaluation reads masks drawn once (the train step draws its own).
+          batch.update(masked_inputs=batch["targets"],
+                       masked=jax.ShapeDtypeStruct(batch["targets"].shape, np.bool_,
+                                                   sharding=batch["targets"].sharding))
+        return p_eval.lower(state, batch)
       return _decoder(model, state_shardings.params, mesh, data.max_len, beam_size,
                       target.platform).lower(
           state.params, _abstract_batch(cfg.eval.batch_size, data.max_len, mesh)["inputs"])

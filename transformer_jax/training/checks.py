@@ -19,11 +19,11 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   config_lib.check(cfg.data.dataset in DATASETS, f"data.dataset={cfg.data.dataset!r} is "
                    f"unknown; choose one of {sorted(DATASETS)}")
   documents = DATASETS[cfg.data.dataset].documents
-  config_lib.check(documents == (cfg.model.family == "decoder_only"),
+  config_lib.check(documents == (cfg.model.family in config_lib.DOCUMENT_FAMILIES),
                    f"data.dataset={cfg.data.dataset!r} holds "
                    f"{'documents, for' if documents else 'sentence pairs, for'} "
-                   f"{'decoder_only' if documents else 'encoder_decoder'} models; "
-                   f"model.family={cfg.model.family!r}")
+                   f"{'decoder_only or encoder_only' if documents else 'encoder_decoder'} "
+                   f"models; model.family={cfg.model.family!r}")
   return cfg
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -16,6 +17,8 @@ from jax.sharding import Mesh
 
 from transformer_jax import sharding
 from transformer_jax.config import OptimizerConfig, StepConfig
+from transformer_jax.data.tokenizer import UNK
+from transformer_jax.models import build
 from transformer_jax.errors import UserError
 
 Batch = dict[str, jax.Array]
@@ -59,7 +62,7 @@ def make_optimizer(cfg: OptimizerConfig, num_steps: int) -> optax.GradientTransf
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation, max_len: int, ema: bool):
   """rng -> a new TrainState, its parameters still boxed with their logical axis names."""
   dummy = jnp.ones((1, max_len), jnp.int32)
-  inputs = (dummy,) if model.cfg.family == "decoder_only" else (dummy, dummy)
+  inputs = (dummy, dummy) if model.cfg.family == "encoder_decoder" else (dummy,)
 
   def init(rng):
     params_rng, dropout_rng = jax.random.split(rng)
@@ -157,6 +160,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
 
 
 def _apply(apply_fn, params, batch: Batch, deterministic: bool, rngs=None, method=None):
+  if "masked_inputs" in batch:  # A masked language model's (`with_masks`).
+    return apply_fn({"params": params}, batch["masked_inputs"], batch["targets_segment_ids"],
+                    batch["targets_positions"], deterministic=deterministic, rngs=rngs,
+                    method=method)
   if "inputs" not in batch:  # A language model's batch (packing.LM_FEATURES).
     return apply_fn({"params": params}, batch["decoder_inputs"], batch["targets_segment_ids"],
                     batch["targets_positions"], deterministic=deterministic, rngs=rngs,
@@ -172,11 +179,60 @@ def _apply(apply_fn, params, batch: Batch, deterministic: bool, rngs=None, metho
 _SUMS = ("loss_sum", "nll_sum", "correct", "tokens")
 
 
+def loss_weights(batch: Batch) -> jax.Array:
+  """[B, T] bool: the target tokens the loss counts: every real one, or a masked language
+  model's masked ones."""
+  if "masked" in batch:
+    return batch["masked"]
+  return batch["targets_segment_ids"] > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Masking:
+  """Masked language modelling's rule (BERT's): each real token but <bos>/<eos> is chosen with
+  probability `rate`; a chosen token is read as `mask_id` (80%), a random piece (10%) or
+  itself (10%), and predicted."""
+  mask_id: int
+  vocab_size: int  # The tokenizer's pieces: random replacements are drawn from [UNK, vocab).
+  rate: float = 0.15
+
+
+def masking_of(family: str, vocab_size: int) -> Masking | None:
+  """A family's masking rule (an encoder-only model's; None for the others), its tokenizer
+  having `vocab_size` pieces (the mask id is the next: build.mask_id)."""
+  if family != "encoder_only":
+    return None
+  return Masking(mask_id=build.mask_id(vocab_size), vocab_size=vocab_size)
+
+
+MASK_STREAM = 0x6D6C6D  # Folded into the train state's key: masking's keys, apart from dropout's.
+
+
+def with_masks(batch: Batch, key: jax.Array, masking: Masking) -> Batch:
+  """The batch with `masked_inputs` (the tokens as the model reads them) and `masked` (the
+  positions it predicts), drawn for row r from fold_in(key, r): a row's masks depend on the key
+  and its index only."""
+  tokens = batch["targets"]
+  eligible = (batch["targets_segment_ids"] > 0) & (tokens >= UNK)
+
+  def row(r, tokens, eligible):
+    k_choose, k_how, k_random = jax.random.split(jax.random.fold_in(key, r), 3)
+    chosen = eligible & (jax.random.uniform(k_choose, tokens.shape) < masking.rate)
+    how = jax.random.uniform(k_how, tokens.shape)
+    random_ids = jax.random.randint(k_random, tokens.shape, UNK, masking.vocab_size,
+                                    dtype=tokens.dtype)
+    read = jnp.where(how < 0.8, masking.mask_id, jnp.where(how < 0.9, random_ids, tokens))
+    return jnp.where(chosen, read, tokens), chosen
+
+  masked_inputs, masked = jax.vmap(row)(jnp.arange(tokens.shape[0]), tokens, eligible)
+  return {**batch, "masked_inputs": masked_inputs, "masked": masked}
+
+
 def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss_chunks: int = 1,
               deterministic: bool = True, rngs=None) -> dict[str, jax.Array]:
   """cross_entropy's sums over a batch; with `loss_chunks` > 1 through projected_loss (the
   [B, T, V] logits never whole; only `loss_sum` is differentiable then)."""
-  targets, weights = batch["targets"], batch["targets_segment_ids"] > 0
+  targets, weights = batch["targets"], loss_weights(batch)
   if loss_chunks == 1:
     features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
     logits = apply_fn({"params": params}, features, method="logits")  # Compute dtype.
@@ -263,7 +319,8 @@ def microbatches(batch: Batch, k: int) -> Batch:
                       batch)
 
 
-def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
+def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig(),
+               masking: Masking | None = None):
   """One optimizer step on the mean smoothed loss per real target token of the batch.
 
   With `cfg.grad_accum_steps` = k > 1 the batch is cut into k microbatches whose gradients are
@@ -276,11 +333,15 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
   logs; see NonFiniteGuard). With `cfg.ema_decay` > 0 the state's `ema_params` follow the new
   parameters: ema <- d * ema + (1 - d) * params, d = ema_decay_at(ema_decay, step).
   `cfg.nan_at_step` > 0 makes that step's loss and gradients NaN (a
-  fault injected by tests).
+  fault injected by tests). `masking`: a masked language model's step, its masks drawn from
+  the train state's key and step (a resumed run masks as an uninterrupted one).
   """
   dropout_rng = jax.random.fold_in(state.rng, state.step)
-  # The loss is a mean over the whole batch's real target tokens, whichever microbatch they are in.
-  tokens = jnp.maximum(jnp.sum(batch["targets_segment_ids"] > 0).astype(jnp.float32), 1.0)
+  if masking is not None:
+    key = jax.random.fold_in(jax.random.fold_in(state.rng, MASK_STREAM), state.step)
+    batch = with_masks(batch, key, masking)
+  # The loss is a mean over the whole batch's target tokens, whichever microbatch they are in.
+  tokens = jnp.maximum(jnp.sum(loss_weights(batch)).astype(jnp.float32), 1.0)
 
   def mean_loss(sums):
     loss = sums["loss_sum"] / tokens
@@ -321,9 +382,12 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig()):
     d = ema_decay_at(cfg.ema_decay, state.step)
     ema = jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, state.ema_params, new_state.params)
     new_state = new_state.replace(ema_params=keep(ema, state.ema_params))
-  metrics = {"loss": loss, "nll": sums["nll_sum"] / tokens,
-             "grad_norm": grad_norm, "tokens": sums["tokens"],
+  metrics = {"loss": loss, "nll": sums["nll_sum"] / tokens, "grad_norm": grad_norm,
+             # The batch's real tokens (throughput, padding), whatever the loss counts.
+             "tokens": jnp.sum(batch["targets_segment_ids"] > 0).astype(jnp.float32),
              "nonfinite": 1.0 - finite.astype(jnp.float32)}
+  if masking is not None:
+    metrics["masked_tokens"] = sums["tokens"]
   return new_state, metrics
 
 
@@ -381,10 +445,10 @@ def eval_step(state: TrainState, batch: Batch, loss_chunks: int = 1) -> dict[str
   return loss_sums(state.apply_fn, state.eval_params(), batch, loss_chunks=loss_chunks)
 
 
-def jit_steps(state_shardings, mesh: Mesh, cfg: StepConfig):
+def jit_steps(state_shardings, mesh: Mesh, cfg: StepConfig, masking: Masking | None = None):
   """train_step and eval_step jitted once with shardings; the train state is donated."""
   batch_sh, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  p_train = jax.jit(functools.partial(train_step, cfg=cfg),
+  p_train = jax.jit(functools.partial(train_step, cfg=cfg, masking=masking),
                     in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, rep),
                     donate_argnums=0)
   p_eval = jax.jit(functools.partial(eval_step, loss_chunks=cfg.loss_chunks),

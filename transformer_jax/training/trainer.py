@@ -44,7 +44,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
 def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainState:
   """train_and_evaluate's run, its config and workdir checked."""
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
-  lm = cfg.model.family == "decoder_only"  # A language model: documents, not sentence pairs.
+  lm = cfg.model.family in config_lib.DOCUMENT_FAMILIES  # Documents, not sentence pairs.
   workdir = run_dir.path
   # Fine-tuning reads the other run only while this one has no checkpoint of its own.
   source = (finetune.check_source(cfg, run.init_from)
@@ -67,7 +67,8 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   state, state_shardings = step_lib.create_train_state(
       model, step_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
       data_cfg.max_len, ema=cfg.step.ema_decay > 0)
-  p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step)
+  masking = step_lib.masking_of(cfg.model.family, data.tokenizers.tgt.vocab_size)
+  p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   if run.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
     p_train = aot.load_train_step(run.compiled_train_step, p_train, state, mesh,
                                   data_cfg.batch_size, data_cfg.max_len)
@@ -88,7 +89,9 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
     eval_data = pipeline.eval_batches(data.eval, overlong=data_cfg.overlong, **rows)
   if ev.num_batches > 0:
     eval_data = eval_data[:ev.num_batches]
-  per_char = lm and _per_character(data, eval_data, hosts)
+  if masking:  # The same masks at every evaluation.
+    eval_data = _masked_once(eval_data, masking, run.seed)
+  per_char = cfg.model.family == "decoder_only" and _per_character(data, eval_data, hosts)
 
   ckpt = run_dir.checkpointer(run.checkpoint_every, run.keep_checkpoints)
   restored = ckpt.restore_latest(state, state_shardings)
@@ -182,6 +185,15 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
     ckpt.close()
     preemption.restore()
   return state
+
+
+def _masked_once(batches: list, masking: step_lib.Masking, seed: int) -> list:
+  """A masked language model's evaluation batches with their masks drawn once, batch i's from
+  fold_in(key(seed), i) (and this host's index): every evaluation reads the same."""
+  draw = jax.jit(step_lib.with_masks, static_argnums=2)
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), jax.process_index())
+  return [jax.device_get(draw(batch, jax.random.fold_in(key, i), masking))
+          for i, batch in enumerate(batches)]
 
 
 def _per_character(data: pipeline.Prepared, eval_data: list, hosts: int) -> dict[str, float]:

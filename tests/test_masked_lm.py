@@ -1,0 +1,204 @@
+"""The encoder-only family: a BERT-style masked language model on the documents path. Its
+attention is bidirectional and stays within a segment; the masking rule's proportions; a real
+train.py run on the Shakespeare works, killed and resumed bit for bit; `fill` on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.conftest import DATA, ROOT, tiny_model_config
+from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK
+from transformer_jax.models.transformer import MaskedLanguageModel
+from transformer_jax.training import steps as step_lib
+
+
+def _model(**overrides):
+  cfg = tiny_model_config(family="encoder_only", num_decoder_layers=0, activation="gelu",
+                          **overrides)
+  model = MaskedLanguageModel(cfg)
+  params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"]
+  return model, params
+
+
+@pytest.mark.quick
+def test_attention_is_bidirectional_and_never_reads_padding_or_another_segment():
+  model, params = _model()
+  encode = lambda tokens, segments: np.asarray(model.apply(
+      {"params": params}, jnp.asarray([tokens]), jnp.asarray([segments]), method="encode"))[0]
+  base = encode([5, 6, 7, 8, 9, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0])
+  later = encode([5, 6, 7, 8, 10, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0])
+  assert np.abs(later[0] - base[0]).max() > 1e-4  # The first token sees a later one.
+  padding = encode([5, 6, 7, 8, 9, 44, 45, 46], [1, 1, 1, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(padding[:5], base[:5])
+  # Two packed segments: each equals its document alone (positions restart in each).
+  packed = np.asarray(model.apply({"params": params}, jnp.asarray([[5, 6, 7, 11, 12, 13, 0, 0]]),
+                                  jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0]]),
+                                  jnp.asarray([[0, 1, 2, 0, 1, 2, 0, 0]]), method="encode"))[0]
+  alone = encode([11, 12, 13, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0])
+  np.testing.assert_allclose(packed[3:6], alone[:3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.quick
+def test_the_masking_rule_chooses_15_percent_and_reads_80_10_10():
+  masking = step_lib.Masking(mask_id=500, vocab_size=500)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(UNK, 500, size=(256, 128)).astype(np.int32)
+  tokens[:, 0], tokens[:, 60], tokens[:, 100:] = BOS, EOS, PAD
+  segments = (tokens != PAD).astype(np.int32)
+  batch = {"targets": jnp.asarray(tokens), "targets_segment_ids": jnp.asarray(segments)}
+  out = jax.jit(step_lib.with_masks, static_argnums=2)(batch, jax.random.PRNGKey(1), masking)
+  chosen, read = np.asarray(out["masked"]), np.asarray(out["masked_inputs"])
+  eligible = (segments > 0) & (tokens >= UNK)
+  assert not chosen[~eligible].any()  # Never padding, <bos> or <eos>.
+  np.testing.assert_array_equal(read[~chosen], tokens[~chosen])
+  assert 0.14 < chosen.sum() / eligible.sum() < 0.16  # 25,088 eligible tokens: 4.4 sigma.
+  as_mask = (read == 500)[chosen].mean()
+  kept = (read == tokens)[chosen].mean()  # 10% kept, and 1/497 of the random ones.
+  random_other = ((read != 500) & (read != tokens))[chosen].mean()
+  assert 0.77 < as_mask < 0.83 and 0.085 < kept < 0.115 and 0.085 < random_other < 0.115
+  assert ((read[chosen] >= UNK) & (read[chosen] <= 500)).all()
+  # The same key, the same masks; a row's masks do not depend on the other rows.
+  again = step_lib.with_masks({k: v[:3] for k, v in batch.items()}, jax.random.PRNGKey(1),
+                              masking)
+  np.testing.assert_array_equal(np.asarray(again["masked"]), chosen[:3])
+
+
+# train.py on the Shakespeare works: straight, and killed then resumed.
+
+NUM_STEPS = 16
+
+
+def _command(workdir, tfds_dir, cache_dir):
+  return [sys.executable, "train.py", "--config", "configs/mlm_shakespeare.py:smoke",
+          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
+          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
+          f"--config.run.num_steps={NUM_STEPS}", "--config.run.log_every=1",
+          "--config.run.checkpoint_every=4", "--config.eval.every=8",
+          "--config.eval.num_batches=4", "--config.data.num_workers=0"]
+
+
+def _run(*args):
+  proc = subprocess.run(_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  return proc.stdout + proc.stderr
+
+
+def _records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def mlm_run(tmp_path_factory, tfds_dir, cache_dir):
+  workdir = tmp_path_factory.mktemp("mlm_straight")
+  _run(workdir, tfds_dir, cache_dir)
+  return workdir
+
+
+def test_a_masked_language_model_trains_and_reports_masked_token_accuracy(mlm_run):
+  records = _records(mlm_run)
+  evals = [r for r in records if "eval/accuracy" in r]
+  assert [r["step"] for r in evals] == [8, 16]
+  assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
+  assert evals[-1]["eval/perplexity"] == pytest.approx(np.exp(evals[-1]["eval/loss"]))
+  assert "eval/bits_per_char" not in evals[-1]  # A next-token figure: not this family's.
+  train = [r for r in records if "train/loss" in r]
+  assert [r["step"] for r in train] == list(range(1, NUM_STEPS + 1))
+  # About 15% of the real tokens are predicted.
+  assert all(0.10 < r["train/masked_tokens"] / r["train/tokens"] < 0.20 for r in train)
+  saved = json.loads((mlm_run / "config.json").read_text())["model"]
+  assert (saved["family"], saved["activation"]) == ("encoder_only", "gelu")
+
+
+def test_a_killed_masked_language_model_run_resumes_bit_for_bit(mlm_run, tmp_path, tfds_dir,
+                                                                 cache_dir):
+  proc = subprocess.Popen(_command(tmp_path, tfds_dir, cache_dir), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 300
+  while not any("] [10] steps_per_sec" in line for line in lines):
+    assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+    time.sleep(0.002)
+  os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+  reader.join()
+  log = _run(tmp_path, tfds_dir, cache_dir)
+  resumed = re.search(r"Resuming from the checkpoint of step (\d+)", log)
+  assert resumed and int(resumed.group(1)) in (4, 8), log[-3000:]  # 8 may still be written.
+  restore = lambda w: ocp.StandardCheckpointer().restore(w / "checkpoints" / str(NUM_STEPS) /
+                                                         "state")
+  a, b = jax.tree.leaves(restore(tmp_path)), jax.tree.leaves(restore(mlm_run))
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  metrics = lambda w: {r["step"]: (r["train/loss"], r["train/masked_tokens"])
+                       for r in _records(w) if "train/loss" in r}
+  assert metrics(tmp_path) == metrics(mlm_run)  # The same masks, the same losses.
+
+
+def _fill(*args, **kwargs):
+  return subprocess.run([sys.executable, "-m", "transformer_jax", "fill", *map(str, args)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def test_fill_ranks_pieces_for_each_mask(mlm_run, tmp_path):
+  texts = tmp_path / "texts.txt"
+  texts.write_text("To be, or not to [MASK].\n[MASK] is the [MASK] of Denmark?\n")
+  out = tmp_path / "out.jsonl"
+  proc = _fill("--workdir", mlm_run, "--input", texts, "--output", out, "--top_k", 3)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["text"] for r in rows] == ["To be, or not to [MASK].",
+                                       "[MASK] is the [MASK] of Denmark?"]
+  assert [len(r["masks"]) for r in rows] == [1, 2]
+  for mask in (m for r in rows for m in r["masks"]):
+    probs = [p for _, p in mask]
+    assert len(mask) == 3 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1
+    assert all(piece and "[MASK]" not in piece for piece, _ in mask)
+  printed = _fill("--workdir", mlm_run, "To be, or not to [MASK].", "--top_k", 3)
+  assert printed.returncode == 0, printed.stderr[-2000:]
+  first = rows[0]["masks"][0][0]
+  assert printed.stdout.splitlines()[1].startswith(f"  [MASK] 1: {first[0]!r} {first[1]:.3f}")
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (["To be or not to be."], None, "error: text 1 holds no [MASK]: nothing to fill"),
+    (["--input", "-"], "", "error: --input - holds no text"),
+    (["a [MASK] b", "--top_k", "0"], None, "error: --top_k must be at least 1, got 0"),
+])
+def test_bad_fill_input_is_one_line(mlm_run, args, stdin, message):
+  proc = _fill("--workdir", mlm_run, *args, input=stdin)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == message
+  assert "Traceback" not in proc.stderr
+
+
+def test_the_other_commands_refuse_a_masked_language_model_and_fill_the_others(mlm_run,
+                                                                               trained):
+  for command in ("translate", "generate"):
+    proc = subprocess.run([sys.executable, "-m", "transformer_jax", command, "--workdir",
+                           str(mlm_run), "Hello."], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {mlm_run} holds a masked language model (model.family='encoder_only'): "
+        f"`{command}` needs a {'translation' if command == 'translate' else 'language'} model; "
+        "use `fill`")
+  proc = _fill("--workdir", trained[1], "a [MASK]")
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"error: {trained[1]} holds a translation model (model.family='encoder_decoder'): `fill` "
+      "needs a masked language model; use `translate`")

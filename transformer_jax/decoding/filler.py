@@ -1,0 +1,74 @@
+"""A trained masked language model restored from a workdir, predicting the tokens behind the
+`[MASK]`s of texts: the encoder reads each text with the mask id at every `[MASK]`, and the
+likeliest pieces at those positions are reported."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from transformer_jax import sharding
+from transformer_jax.data.tokenizer import UNK
+from transformer_jax.decoding.generation import InferenceError
+from transformer_jax.models import build, trained
+from transformer_jax.workdir import Workdir
+
+MASK = "[MASK]"
+
+
+class Filler:
+  """Restores a workdir's masked language model and fills the masks of texts."""
+
+  def __init__(self, workdir: str | Path, step: int | None = None):
+    run = Workdir(workdir)
+    run.check_family("encoder_only", "fill")
+    config, tokenizers, self.model = trained.open_run(run)
+    self.tokenizer, self.max_len = tokenizers.tgt, config.data.max_len
+    self.mask_id = build.mask_id(self.tokenizer.vocab_size)
+    self.step, self.params = trained.read_params(run, self.model, sharding.make_mesh((-1, 1, 1)),
+                                                 "ema_params" if config.step.ema_decay > 0
+                                                 else "params", step)
+    logging.info("Restored step %d from %s", self.step, run.checkpoints)
+
+  def encode(self, text: str, number: int) -> list[int]:
+    """The ids of a text, the mask id at each `[MASK]`; an error naming text `number` where it
+    holds no mask or is longer than the model reads."""
+    parts = text.split(MASK)
+    if len(parts) == 1:
+      raise InferenceError(f"text {number} holds no {MASK}: nothing to fill")
+    ids = []
+    for i, part in enumerate(parts):
+      if i:
+        ids.append(self.mask_id)
+      ids.extend(self.tokenizer.encode([part])[0] if part else [])
+    if len(ids) > self.max_len:
+      raise InferenceError(f"text {number} has {len(ids)} tokens: the model reads at most "
+                           f"{self.max_len} (data.max_len)")
+    return ids
+
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def _top(self, params, tokens, k):
+    logits = self.model.apply({"params": params}, tokens)  # [B, T, V]
+    # Only the tokenizer's pieces (not padding, <bos>, <eos>, the mask id or the padded rows).
+    ids = jnp.arange(logits.shape[-1])
+    logits = jnp.where((ids >= UNK) & (ids < self.tokenizer.vocab_size), logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jax.lax.top_k(probs, k)
+
+  def fill(self, texts: list[str], top_k: int = 5) -> list[list[list[tuple[str, float]]]]:
+    """For each text, for each of its masks in order, the `top_k` likeliest pieces (as text)
+    and their probabilities."""
+    if top_k < 1:
+      raise InferenceError(f"--top_k must be at least 1, got {top_k}")
+    rows = [self.encode(text, number) for number, text in enumerate(texts, 1)]
+    width = -(-max(map(len, rows)) // 8) * 8  # Few distinct shapes, few compilations.
+    tokens = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+    probs, ids = map(np.asarray, self._top(self.params, jnp.asarray(tokens), top_k))
+    text_of = lambda i: self.tokenizer.decode([int(i)])  # A piece as text, its spaces kept.
+    return [[[(text_of(i), float(p)) for i, p in zip(ids[b, t], probs[b, t])]
+             for t in np.flatnonzero(tokens[b] == self.mask_id)] for b in range(len(rows))]
