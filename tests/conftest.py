@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -18,6 +19,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # train.py and configs/ live at the repository root.
 DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA", ROOT / "data")).resolve()
+
+
+CACHE_ENV = "TRANSFORMER_JAX_TESTS_JAX_CACHE"
+
+
+def pytest_configure(config):
+  """One persistent compilation cache for the whole run, made by the first pytest process (the
+  xdist workers it starts inherit its path), and used by the tests' own process from its first
+  compilation on: a program that two workers, or a worker and a command the tests start,
+  compile is compiled once a run. A path set beforehand is kept (and kept between runs)."""
+  if CACHE_ENV not in os.environ:
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="transformer_jax_tests_jax_cache_")
+    config.stash[_MADE_CACHE] = True
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if config.stash.get(_MADE_CACHE, False):
+    shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
+
+
+_MADE_CACHE = pytest.StashKey[bool]()
 
 
 def pytest_sessionstart(session):
@@ -57,13 +83,11 @@ def _tree_digest(root: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-  """One persistent compilation cache for the whole run: every xdist worker and every process
-  the tests start (train.py, translate, serve), so that a program compiles once a run (jax
-  writes an entry whole or, read half-written by another process, compiles it again)."""
-  path = _run_dir(tmp_path_factory) / "jax_cache"
-  path.mkdir(exist_ok=True)
-  return path
+def cache_dir() -> Path:
+  """The run's persistent compilation cache (pytest_configure), for the processes the tests
+  start (train.py, translate, serve): jax writes an entry whole or, where another process reads
+  it half-written, compiles the program again."""
+  return Path(os.environ[CACHE_ENV])
 
 
 @pytest.fixture(scope="session")

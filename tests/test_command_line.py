@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.test_user_mistakes import _one_error_line, _run
 
-COMMANDS = ("train", "translate", "average", "visualize", "aot", "export", "serve")
+COMMANDS = ("train", "translate", "fill", "average", "visualize", "aot", "export", "serve")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -202,3 +202,23 @@ def test_the_other_commands_refuse_a_masked_language_model_and_fill_the_others(m
   assert proc.stderr.strip().splitlines()[-1] == (
       f"error: {trained[1]} holds a translation model (model.family='encoder_decoder'): `fill` "
       "needs a masked language model; use `translate`")
+
+
+@pytest.mark.quick
+def test_the_flops_formula_counts_the_encoder_and_its_head_as_xla_does():
+  from transformer_jax.models import flops
+  # By hand (benchmarks/README.md's terms): two documents of 3 and 2 tokens, 2 layers.
+  cfg = tiny_model_config(family="encoder_only", num_decoder_layers=0, d_model=4, num_heads=1,
+                          ffn_dim=8, src_vocab_size=10, tgt_vocab_size=10)
+  layer = (8 * 16 + 4 * 4 * 8) * 5 + 4 * 4 * (9 + 4)  # QKVO + FFN; all scores and values
+  head = 2 * 4 * 4 * 5 + 2 * 4 * 10 * 5  # the transform, the vocabulary
+  assert flops.batch_flops(cfg, {"targets_segment_ids": np.array([[1, 1, 1, 2, 2, 0]])}) == (
+      3 * (2 * layer + head))
+  # XLA's count of a forward pass on this CPU, at a size where the products dominate.
+  model, params = _model(d_model=128, num_heads=4, ffn_dim=512, src_vocab_size=512,
+                         tgt_vocab_size=512)
+  tokens = jnp.ones((4, 128), jnp.int32)
+  compiled = jax.jit(lambda p, t: model.apply({"params": p}, t)).lower(params, tokens).compile()
+  xla = compiled.cost_analysis()["flops"]
+  analytic = flops.model_flops(model.cfg, np.zeros(0), np.full(4, 128)) / 3
+  assert 0.9 < xla / analytic < 1.1, (xla, analytic)
