@@ -183,7 +183,7 @@ def test_a_full_queue_refuses_and_loses_nothing_accepted(trained, tmp_path, shor
   _, workdir = trained
   process, port, log = _serve(workdir, tmp_path, "--max_queue=4", "--max_sentences=4",
                               "--max_wait_ms=3000", "--decoders=1", "--slots=0",
-                              "--batch_size=4")  # Batches of at most 4: fewer shapes to compile.
+                              "--batch_size=8")  # 4 sentences: a partial batch, which waits.
   lengths = [len(ids) + 1 for ids in Workdir(workdir).tokenizers().src.encode(sources)]
   narrow = [s for s, n in zip(sources, lengths) if n <= 8]
   wide = [s for s, n in zip(sources, lengths) if 8 < n <= 16]
