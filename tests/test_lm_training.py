@@ -7,20 +7,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
+from tests import runs
 from tests.conftest import DATA, ROOT
 from transformer_jax import config as config_lib
 from transformer_jax.decoding import search
@@ -277,13 +273,10 @@ def _command(workdir, tfds_dir, cache_dir, *extra):
 
 
 def _run(*args):
-  proc = subprocess.run(_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-  return proc.stdout + proc.stderr
+  return runs.run(_command(*args))
 
 
-def _records(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+_records = runs.records
 
 
 @pytest.fixture(scope="module")
@@ -307,28 +300,11 @@ def test_a_language_model_trains_and_reports_bits_per_character(lm_run):
 
 
 def test_a_killed_language_model_run_resumes_bit_for_bit(lm_run, tmp_path, tfds_dir, cache_dir):
-  proc = subprocess.Popen(_command(tmp_path, tfds_dir, cache_dir), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-  lines = []
-  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-  reader.start()
-  deadline = time.monotonic() + 300
-  while not any("] [10] steps_per_sec" in line for line in lines):
-    assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
-    time.sleep(0.002)
-  os.killpg(proc.pid, signal.SIGKILL)
-  proc.wait()
-  reader.join()
+  runs.kill_after_step(_command(tmp_path, tfds_dir, cache_dir), 10)
   log = _run(tmp_path, tfds_dir, cache_dir)
   resumed = re.search(r"Resuming from the checkpoint of step (\d+)", log)
   assert resumed and int(resumed.group(1)) in (4, 8), log[-3000:]  # 8 may still be written.
-  restore = lambda w: ocp.StandardCheckpointer().restore(w / "checkpoints" / str(NUM_STEPS) /
-                                                         "state")
-  a, b = jax.tree.leaves(restore(tmp_path)), jax.tree.leaves(restore(lm_run))
-  assert len(a) == len(b) > 0
-  for x, y in zip(a, b):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  runs.assert_same_state(tmp_path, lm_run, NUM_STEPS)
   losses = lambda w: {r["step"]: r["train/loss"] for r in _records(w) if "train/loss" in r}
   assert losses(tmp_path) == losses(lm_run)
 

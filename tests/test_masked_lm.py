@@ -5,20 +5,16 @@ train.py run on the Shakespeare works, killed and resumed bit for bit; `fill` on
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
+from tests import runs
 from tests.conftest import DATA, ROOT, tiny_model_config
 from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK
 from transformer_jax.models.transformer import MaskedLanguageModel
@@ -91,13 +87,7 @@ def _command(workdir, tfds_dir, cache_dir):
 
 
 def _run(*args):
-  proc = subprocess.run(_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-  return proc.stdout + proc.stderr
-
-
-def _records(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return runs.run(_command(*args))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +98,7 @@ def mlm_run(tmp_path_factory, tfds_dir, cache_dir):
 
 
 def test_a_masked_language_model_trains_and_reports_masked_token_accuracy(mlm_run):
-  records = _records(mlm_run)
+  records = runs.records(mlm_run)
   evals = [r for r in records if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [8, 16]
   assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
@@ -124,30 +114,13 @@ def test_a_masked_language_model_trains_and_reports_masked_token_accuracy(mlm_ru
 
 def test_a_killed_masked_language_model_run_resumes_bit_for_bit(mlm_run, tmp_path, tfds_dir,
                                                                  cache_dir):
-  proc = subprocess.Popen(_command(tmp_path, tfds_dir, cache_dir), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-  lines = []
-  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-  reader.start()
-  deadline = time.monotonic() + 300
-  while not any("] [10] steps_per_sec" in line for line in lines):
-    assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
-    time.sleep(0.002)
-  os.killpg(proc.pid, signal.SIGKILL)
-  proc.wait()
-  reader.join()
+  runs.kill_after_step(_command(tmp_path, tfds_dir, cache_dir), 10)
   log = _run(tmp_path, tfds_dir, cache_dir)
   resumed = re.search(r"Resuming from the checkpoint of step (\d+)", log)
   assert resumed and int(resumed.group(1)) in (4, 8), log[-3000:]  # 8 may still be written.
-  restore = lambda w: ocp.StandardCheckpointer().restore(w / "checkpoints" / str(NUM_STEPS) /
-                                                         "state")
-  a, b = jax.tree.leaves(restore(tmp_path)), jax.tree.leaves(restore(mlm_run))
-  assert len(a) == len(b) > 0
-  for x, y in zip(a, b):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  runs.assert_same_state(tmp_path, mlm_run, NUM_STEPS)
   metrics = lambda w: {r["step"]: (r["train/loss"], r["train/masked_tokens"])
-                       for r in _records(w) if "train/loss" in r}
+                       for r in runs.records(w) if "train/loss" in r}
   assert metrics(tmp_path) == metrics(mlm_run)  # The same masks, the same losses.
 
 

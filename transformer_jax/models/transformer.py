@@ -534,6 +534,17 @@ class _Shared:
   """What both families share: the embedded inputs, the vocabulary projection (through the
   tied table, `_output_table()`, or `output_proj`) and the preallocated decoding cache."""
 
+  def _setup_tokens(self):
+    """A language model's one token table (`embed`) and, with learned positions, its
+    `position_embedding` [max_len, D]."""
+    cfg = self.cfg
+    self.embed = Embed(cfg, cfg.tgt_vocab_size)
+    if cfg.positions == "learned":
+      self.position_embedding = self.param(
+          "position_embedding", nn.with_logical_partitioning(
+              nn.initializers.normal(cfg.d_model ** -0.5), (None, "embed")),
+          (cfg.max_len, cfg.d_model))
+
   def _inputs(self, embed, tokens, positions, deterministic):
     """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + positions (sinusoidal, or the learned
     `position_embedding`), then dropout."""
@@ -692,12 +703,7 @@ class LanguageModel(_Shared, nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed = Embed(cfg, cfg.tgt_vocab_size)
-    if cfg.positions == "learned":
-      self.position_embedding = self.param(
-          "position_embedding", nn.with_logical_partitioning(
-              nn.initializers.normal(cfg.d_model ** -0.5), (None, "embed")),
-          (cfg.max_len, cfg.d_model))
+    self._setup_tokens()
     if cfg.scan_layers:
       self.decoder_stack = ScannedDecoder(cfg)
     else:
@@ -747,12 +753,7 @@ class MaskedLanguageModel(_Shared, nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed = Embed(cfg, cfg.tgt_vocab_size)
-    if cfg.positions == "learned":
-      self.position_embedding = self.param(
-          "position_embedding", nn.with_logical_partitioning(
-              nn.initializers.normal(cfg.d_model ** -0.5), (None, "embed")),
-          (cfg.max_len, cfg.d_model))
+    self._setup_tokens()
     if cfg.scan_layers:
       self.encoder_stack = ScannedEncoder(cfg)
     else:

@@ -1,0 +1,55 @@
+"""train.py runs as the language-model tests start them: to the end, or killed (SIGKILL, with
+its process group) once a step is logged, and their checkpoints and metrics read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from tests.conftest import ROOT
+
+
+def run(command: list[str]) -> str:
+  """Runs `command` to its end (exit status 0); its stdout and stderr."""
+  proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  return proc.stdout + proc.stderr
+
+
+def kill_after_step(command: list[str], step: int) -> None:
+  """Starts `command` in its own process group and SIGKILLs the group once step `step`'s
+  training line is logged."""
+  proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 300
+  while not any(f"] [{step}] steps_per_sec" in line for line in lines):
+    assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+    time.sleep(0.002)
+  os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+  reader.join()
+
+
+def records(workdir: Path) -> list[dict]:
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_state(a: Path, b: Path, step: int) -> None:
+  """The train states two workdirs saved at `step` are equal, array for array, bit for bit."""
+  restore = lambda w: ocp.StandardCheckpointer().restore(w / "checkpoints" / str(step) / "state")
+  x, y = jax.tree.leaves(restore(a)), jax.tree.leaves(restore(b))
+  assert len(x) == len(y) > 0
+  for u, v in zip(x, y):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
