@@ -558,6 +558,15 @@ class _Shared:
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     return self.dropout(x, deterministic=deterministic)
 
+  def _encode(self, embed, tokens, segments, positions, deterministic):
+    """tokens [B, L] through `embed`, the encoder stack (bidirectional within a segment) and,
+    pre-LN, its final norm -> [B, L, D]."""
+    segments, positions = _default_segments(tokens, segments, positions)
+    mask = SegmentMask(segments, segments, by_lengths=self.cfg.by_lengths)
+    x = self._inputs(embed, tokens, positions, deterministic)
+    x = self.encoder_stack(x, mask, deterministic)
+    return self.encoder_norm(x) if self.cfg.pre_ln else x
+
   def _logits(self, y):
     """[B, T, D] -> [B, T, V] through the tied embedding or the output projection."""
     if not self.cfg.tie_output:
@@ -625,11 +634,7 @@ class Transformer(_Shared, nn.Module):
 
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
-    src_segments, src_positions = _default_segments(src, src_segments, src_positions)
-    mask = SegmentMask(src_segments, src_segments, by_lengths=self.cfg.by_lengths)
-    x = self._inputs(self.src_embed, src, src_positions, deterministic)
-    x = self.encoder_stack(x, mask, deterministic)
-    return self.encoder_norm(x) if self.cfg.pre_ln else x
+    return self._encode(self.src_embed, src, src_segments, src_positions, deterministic)
 
   def decode(self, memory, tgt_in, src_segments, tgt_segments=None, tgt_positions=None,
              deterministic=True):
@@ -779,11 +784,7 @@ class MaskedLanguageModel(_Shared, nn.Module):
 
   def encode(self, tokens, segments=None, positions=None, deterministic=True):
     """tokens: [B, T] int (0 = padding) -> the encoder's output [B, T, D]."""
-    segments, positions = _default_segments(tokens, segments, positions)
-    mask = SegmentMask(segments, segments, by_lengths=self.cfg.by_lengths)
-    x = self._inputs(self.embed, tokens, positions, deterministic)
-    x = self.encoder_stack(x, mask, deterministic)
-    return self.encoder_norm(x) if self.cfg.pre_ln else x
+    return self._encode(self.embed, tokens, segments, positions, deterministic)
 
   def features(self, tokens, segments=None, positions=None, deterministic=True):
     """[B, T] -> the masked-LM head's transformed features [B, T, D], before the vocabulary."""
