@@ -337,10 +337,10 @@ def test_row_lengths_mask_as_the_segment_ids_do(family):
   positions = np.broadcast_to(np.arange(12), (4, 12))
   args = (tokens, segments, positions) if lm else (tokens, tokens, segments, segments,
                                                      positions, positions)
-  outs = []
-  for mask in ("segments", "lengths"):
+  outs, variables = [], None
+  for mask in ("segments", "lengths"):  # The same parameters, told of the padding two ways.
     model = (LanguageModel if lm else Transformer)(dataclasses.replace(cfg, attention_mask=mask))
-    variables = variables if outs else jax.jit(model.init)(jax.random.PRNGKey(0), *args)
+    variables = variables or jax.jit(model.init)(jax.random.PRNGKey(0), *args)
     outs.append(np.asarray(jax.jit(model.apply)(variables, *args)))
   real = segments > 0
   np.testing.assert_array_equal(outs[0][real], outs[1][real])

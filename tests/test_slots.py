@@ -3,7 +3,6 @@ scores for every sentence, with sentences of many lengths entering and leaving f
 
 import collections
 import dataclasses
-import functools
 import subprocess
 import sys
 import threading

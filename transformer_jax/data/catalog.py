@@ -15,6 +15,7 @@ class DatasetSpec:
   src_lang: str
   tgt_lang: str
   documents: bool = False  # Monolingual documents (a language model's corpus), not pairs.
+  labelled: bool = False  # Texts and their labels (a classifier's corpus), not pairs.
 
 
 DATASETS = {
@@ -32,4 +33,9 @@ DATASETS = {
     # A local corpus: a directory of *.txt (or *.lines.txt) files.
     "text_documents": DatasetSpec("TextDocuments", "text_documents/local", "", "",
                                   documents=True),
+    # Classifiers: passages of the plays labelled comedy, history or tragedy (First Folio).
+    "shakespeare_genre": DatasetSpec("LabelledText", "labelled_text/shakespeare_genre", "en", "",
+                                     labelled=True),
+    # A local corpus: train / validation (/ test) files of text<TAB>label or JSON lines.
+    "labelled_text": DatasetSpec("LabelledText", "labelled_text/local", "", "", labelled=True),
 }

@@ -224,7 +224,7 @@ def fit_tokenizer(cfg: DataConfig, text) -> Tokenizers:
   order = np.random.default_rng(0).permutation(len(text))
   lines, read = [], 0
   while read < len(order) and len(lines) < cfg.tokenizer_sample:
-    (docs,) = text.read(order[read:read + 1000])
+    docs = text.read(order[read:read + 1000])[0]  # The texts (labelled texts: not the labels).
     read += len(docs)
     lines += [line + "\n" for doc in docs for line in doc.split("\n")]
   logging.info("Fitting a lossless SentencePiece of %d pieces on %d lines of %d of %d training "

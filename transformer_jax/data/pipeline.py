@@ -23,10 +23,11 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.config import DataConfig
-from transformer_jax.data import documents, packing, token_cache, workers
+from transformer_jax.data import documents, labelled, packing, token_cache, workers
 from transformer_jax.data.documents import DocumentBlocks
 from transformer_jax.data.packing import FEATURES
 from transformer_jax.data.tokenizer import SPM_FILE, WORD_FILE, Tokenizers, train_tokenizers
+from transformer_jax.errors import UserError
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -43,6 +44,10 @@ class Prepared:
   train: token_cache.TokenCache
   eval: token_cache.TokenCache
   bleu_pairs: list[tuple[str, str]]  # A fixed sample of the eval split, as text.
+  # Labelled texts (a classifier's): the label names, and each text's label id of either split.
+  label_names: tuple[str, ...] = ()
+  train_labels: np.ndarray | None = None
+  eval_labels: np.ndarray | None = None
 
 
 def resolve_workers(num_workers: int | str) -> int:
@@ -180,6 +185,45 @@ def prepare_documents(cfg: DataConfig, workdir: str | Path, *, is_first_host: bo
   return Prepared(tokenizers, caches[cfg.train_split], caches[cfg.eval_split], [])
 
 
+class LabelsError(UserError, ValueError):
+  """Labels a classifier cannot train on: a held-out label no training text has, or a resumed
+  run's training split holding other labels than it started with."""
+
+
+def prepare_labelled(cfg: DataConfig, workdir: str | Path, *, is_first_host: bool = True,
+                     wait_for_first_host=lambda: None,
+                     tokenizer_from: Path | None = None) -> Prepared:
+  """`prepare_documents` for labelled texts (a classifier's corpus): each text one record of
+  the token caches, and its label's id among the training split's labels (sorted by name, saved
+  in the workdir as the order of the classifier's outputs)."""
+  from transformer_jax.data import sources  # tfds loads here, not on import.
+  from transformer_jax.workdir import Workdir
+  data = prepare_documents(cfg, workdir, is_first_host=is_first_host,
+                           wait_for_first_host=wait_for_first_host, tokenizer_from=tokenizer_from)
+  builder = sources.prepare_config(cfg)
+  labels = {}
+  for split in (cfg.train_split, cfg.eval_split):
+    text = sources.TextPairs(builder, cfg.dataset, split)
+    labels[split] = [label for start in range(0, len(text), 10_000)
+                     for label in text.read(range(start, min(start + 10_000, len(text))))[1]]
+  names = tuple(sorted(set(labels[cfg.train_split])))
+  run = Workdir(workdir)
+  if run.labels() and run.labels() != names:
+    raise LabelsError(
+        f"{run.path} was trained on the labels {', '.join(run.labels())}; its training split "
+        f"{cfg.train_split!r} now holds {', '.join(names)}: train in another workdir")
+  unseen = sorted(set(labels[cfg.eval_split]) - set(names))
+  if unseen:
+    raise LabelsError(f"split {cfg.eval_split!r} of {cfg.dataset} has the label "
+                      f"{unseen[0]!r}, which no text of {cfg.train_split!r} has")
+  if is_first_host:
+    run.write_labels(names)
+  index = {name: i for i, name in enumerate(names)}
+  ids = {split: np.array([index[x] for x in values], np.int32) for split, values in labels.items()}
+  return dataclasses.replace(data, label_names=names, train_labels=ids[cfg.train_split],
+                             eval_labels=ids[cfg.eval_split])
+
+
 def log_selection(split: str, sel: packing.Selection, max_len: int) -> None:
   logging.info("%s: %d of %d pairs kept; %d dropped (empty or over %d tokens), %d truncated",
                split, len(sel.ids), sel.total, sel.dropped, max_len, sel.truncated)
@@ -189,7 +233,8 @@ class TrainStream:
   """Endless training batches (this host's rows of each global batch) from a token cache.
 
   Blocks of pairs are planned and filled by `packing.TrainBlocks` (of documents' chunks, by
-  `documents.DocumentBlocks`, where `documents`) in `num_workers` grain worker processes
+  `documents.DocumentBlocks`, where `documents`; of labelled texts, by `labelled.LabelledBlocks`,
+  where `labels` gives their label ids) in `num_workers` grain worker processes
   (0: a thread of this process) and handed out batch by batch here. The
   position `get_state()` is {"block", "batch"}: the next batch is batch `batch` of global
   block `block`. It is host- and worker-independent, so any run can resume it.
@@ -198,13 +243,15 @@ class TrainStream:
   def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
                overlong: str, seed: int, pack: bool = True, num_workers: int = 0,
                process_index: int = 0, process_count: int = 1, concat_prob: float = 0.0,
-               concat_max: int = 1, documents: bool = False):
+               concat_max: int = 1, documents: bool = False, labels: np.ndarray | None = None):
     if batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
     local = batch_size // process_count
     rows = dict(rows=batch_size, row_start=process_index * local,
                 row_stop=(process_index + 1) * local, max_len=max_len, seed=seed, packing=pack)
-    if documents:
+    if labels is not None:  # Labelled texts, one a row.
+      self.blocks, self.features = labelled.LabelledBlocks(cache, labels, **rows), labelled.FEATURES
+    elif documents:
       self.blocks, self.features = DocumentBlocks(cache, **rows), packing.LM_FEATURES
     else:
       self.blocks = packing.TrainBlocks(cache, overlong=overlong, concat_prob=concat_prob,

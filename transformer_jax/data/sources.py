@@ -21,11 +21,13 @@ DOWNLOAD_HOSTS = {
     "multi30k_en_fr": "github.com", "multi30k_en_de": "github.com",
     "wmt14_en_de": "www.statmt.org", "wmt14_en_fr": "www.statmt.org",
     "shakespeare": builders.SHAKESPEARE_URL.split("/")[2],
+    "shakespeare_genre": builders.SHAKESPEARE_URL.split("/")[2],
 }
 # The one file a dataset downloads, where it is one (read when checked: tests point them
 # elsewhere).
 DOWNLOAD_URLS = {"fra_eng": lambda: builders.FRA_ENG_URL,
-                 "shakespeare": lambda: builders.SHAKESPEARE_URL}
+                 "shakespeare": lambda: builders.SHAKESPEARE_URL,
+                 "shakespeare_genre": lambda: builders.SHAKESPEARE_URL}
 
 
 def _check_reachable(name: str, host: str | None, timeout: float = 10.0) -> None:
@@ -142,8 +144,9 @@ def prepare_config(cfg):
 
 
 class TextPairs:
-  """Random access to the (source, target) sentences of one prepared split, or to the texts of
-  a split of documents (`read` then gives one list: each document's text).
+  """Random access to the (source, target) sentences of one prepared split, to the texts of a
+  split of documents (`read` then gives one list: each document's text), or to the (text, label)
+  examples of a classifier's split.
 
   Reads raw records and parses only the text features, about 7x faster than tfds's
   generic decoding. Picklable (it reopens its files), so grain workers can hold one.
@@ -152,7 +155,8 @@ class TextPairs:
   def __init__(self, builder, name: str, split: str):
     from tensorflow_datasets.core import decode
     spec = DATASETS[name]
-    self.keys = ("text",) if spec.documents else (spec.src_lang, spec.tgt_lang)
+    self.keys = (("text",) if spec.documents else ("text", "label") if spec.labelled
+                 else (spec.src_lang, spec.tgt_lang))
     self.split = split
     try:  # An unknown split name, or a slice of no records ("validation[:0]").
       self._records = builder.as_data_source(

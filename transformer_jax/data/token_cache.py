@@ -87,8 +87,8 @@ class _EncodeChunk:
   def __call__(self, k: int) -> dict[str, np.ndarray]:
     indices = range(k * self.chunk_size, min((k + 1) * self.chunk_size, len(self.text)))
     out = {}
-    for side, sentences, tok in zip(self.sides, self.text.read(indices), self.tokenizers,
-                                    strict=True):
+    texts = self.text.read(indices)[:len(self.sides)]  # Labelled texts: not their labels.
+    for side, sentences, tok in zip(self.sides, texts, self.tokenizers, strict=True):
       ids = tok.encode(sentences)
       out[f"{side}_len"] = np.fromiter(map(len, ids), np.int64, len(ids))
       out[side] = np.fromiter(itertools.chain.from_iterable(ids), self.dtype,

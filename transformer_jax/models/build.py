@@ -10,7 +10,8 @@ import jax
 
 from transformer_jax import config as config_lib
 from transformer_jax.models import embedding
-from transformer_jax.models.transformer import (LanguageModel, MaskedLanguageModel, Transformer,
+from transformer_jax.models.transformer import (LanguageModel, MaskedLanguageModel,
+                                                SequenceClassifier, Transformer,
                                                 TransformerConfig, attention_impl)
 
 
@@ -20,10 +21,12 @@ def padded_vocab(size: int, multiple: int = 128) -> int:
 
 
 def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
-                 platform: str | None = None, max_len: int = 0) -> TransformerConfig:
+                 platform: str | None = None, max_len: int = 0,
+                 num_labels: int = 0) -> TransformerConfig:
   """The frozen model config of the model section and the tokenizers' vocabularies (padded);
   `platform`: the one the program is compiled for (picks `auto`'s attention_impl and
-  embed_grad); `max_len`: data.max_len (the rows of learned positions)."""
+  embed_grad); `max_len`: data.max_len (the rows of learned positions); `num_labels`: an
+  encoder-only classifier's labels (0: a masked language model)."""
   fields = dataclasses.asdict(model)
   fields["embed_grad"] = embedding.grad_impl(model.embed_grad, platform)
   # Pallas kernels run natively on TPUs only.
@@ -33,7 +36,8 @@ def model_config(model: config_lib.ModelConfig, src_vocab: int, tgt_vocab: int,
   if model.family == "encoder_only":  # The mask id follows the tokenizer's pieces.
     src_vocab = tgt_vocab = mask_id(tgt_vocab) + 1
   return TransformerConfig(src_vocab_size=padded_vocab(src_vocab),
-                           tgt_vocab_size=padded_vocab(tgt_vocab), max_len=max_len, **fields)
+                           tgt_vocab_size=padded_vocab(tgt_vocab), max_len=max_len,
+                           num_labels=num_labels, **fields)
 
 
 def mask_id(vocab_size: int) -> int:
@@ -42,7 +46,9 @@ def mask_id(vocab_size: int) -> int:
   return vocab_size
 
 
-def build_model(cfg: TransformerConfig) -> Transformer | LanguageModel | MaskedLanguageModel:
-  """The module of the config's family."""
+def build_model(cfg: TransformerConfig):
+  """The module of the config's family (an encoder-only model with labels: the classifier)."""
+  if cfg.family == "encoder_only" and cfg.num_labels:
+    return SequenceClassifier(cfg)
   return {"decoder_only": LanguageModel, "encoder_only": MaskedLanguageModel}.get(
       cfg.family, Transformer)(cfg)

@@ -18,7 +18,8 @@ def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarr
 
   src_lens, tgt_lens: [B] lengths attended over (one sentence a row; for packed rows pass the
   per-sentence lengths of every sentence). A language model (decoder-only or encoder-only)
-  reads only tgt_lens, its documents' lengths. Multiply-adds count 2 FLOPs.
+  reads only tgt_lens, its documents' lengths (a classifier's: its texts'). Multiply-adds count
+  2 FLOPs.
   """
   d, f, v = cfg.d_model, cfg.ffn_dim, cfg.tgt_vocab_size
   s, t = src_lens.astype(np.float64), tgt_lens.astype(np.float64)
@@ -36,8 +37,11 @@ def model_flops(cfg: TransformerConfig, src_lens: np.ndarray, tgt_lens: np.ndarr
         4 * d * d * t.sum()  # cross-attention Q, O
         + 4 * d * d * s.sum()  # cross-attention K, V of the encoder output
         + 4 * d * (t * s).sum())  # cross-attention scores and values
-  out = 2 * d * v * t.sum()  # vocabulary projection
-  if encoder_only:
+  if cfg.num_labels:  # A classifier's head reads one position a text: pooler, labels.
+    out = (2 * d * d + 2 * d * cfg.num_labels) * len(t)
+  else:
+    out = 2 * d * v * t.sum()  # vocabulary projection
+  if encoder_only and not cfg.num_labels:
     out += 2 * d * d * t.sum()  # the masked-LM head's transform
   return 3.0 * (enc + dec + out)
 

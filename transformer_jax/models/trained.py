@@ -29,7 +29,7 @@ def open_run(run: Workdir) -> Opened:
   tokenizers = run.tokenizers()
   model = build.build_model(build.model_config(
       config.model, tokenizers.src.vocab_size, tokenizers.tgt.vocab_size,
-      max_len=config.data.max_len))
+      max_len=config.data.max_len, num_labels=len(run.labels())))
   return Opened(config, tokenizers, model)
 
 

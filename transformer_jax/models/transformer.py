@@ -8,7 +8,8 @@ the target vocabulary. The language model (`LanguageModel`, model.family="decode
 decoder without cross-attention: causal self-attention and FFN blocks, next-token logits. The
 masked language model (`MaskedLanguageModel`, model.family="encoder_only", BERT's shape) is the
 encoder: bidirectional self-attention, then a transform (dense, activation, LayerNorm) and the
-tied vocabulary projection with its own bias.
+tied vocabulary projection with its own bias; fine-tuned to classify (`SequenceClassifier`), the
+same encoder with a head on its first position.
 
 Masks come from segment ids: 0 marks padding, and tokens attend only within their own segment.
 An unpacked batch has segment id 1 on every real token, which is d2l's valid-length mask; a
@@ -72,6 +73,7 @@ class TransformerConfig(ModelConfig):
   src_vocab_size: int
   tgt_vocab_size: int  # A language model's vocabulary.
   max_len: int = 0  # Rows of the learned position table (positions="learned").
+  num_labels: int = 0  # An encoder-only classifier's labels (0: a masked language model).
   attention_weights: bool = False  # Sow attention weights into "intermediates".
   # Run Pallas kernels (splash attention) in the interpreter: programs for a CPU (tests).
   interpret_kernels: bool = False
@@ -545,6 +547,19 @@ class _Shared:
               nn.initializers.normal(cfg.d_model ** -0.5), (None, "embed")),
           (cfg.max_len, cfg.d_model))
 
+  def _setup_encoder(self):
+    """An encoder-only model's token table, positions and encoder stack (with its final norm,
+    pre-LN): the parameters the masked language model and the classifier share."""
+    cfg = self.cfg
+    self._setup_tokens()
+    if cfg.scan_layers:
+      self.encoder_stack = ScannedEncoder(cfg)
+    else:
+      self.encoder_stack = UnrolledEncoder(cfg)
+      nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, encoder_1, ...
+    if cfg.pre_ln:
+      self.encoder_norm = _final_norm(cfg, "encoder_norm")
+
   def _inputs(self, embed, tokens, positions, deterministic):
     """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + positions (sinusoidal, or the learned
     `position_embedding`), then dropout."""
@@ -758,14 +773,7 @@ class MaskedLanguageModel(_Shared, nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self._setup_tokens()
-    if cfg.scan_layers:
-      self.encoder_stack = ScannedEncoder(cfg)
-    else:
-      self.encoder_stack = UnrolledEncoder(cfg)
-      nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, encoder_1, ...
-    if cfg.pre_ln:
-      self.encoder_norm = _final_norm(cfg, "encoder_norm")
+    self._setup_encoder()
     # The masked-LM head: a transform of each position's features, then the vocabulary.
     self.mlm_dense = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype,
                               kernel_init=_init(("embed", "mlp")),
@@ -806,6 +814,36 @@ class MaskedLanguageModel(_Shared, nn.Module):
   def __call__(self, tokens, segments=None, positions=None, deterministic=True):
     """tokens: [B, T] -> logits [B, T, V] (float32) for the original token at every position."""
     return self.project(self.features(tokens, segments, positions, deterministic))
+
+
+class SequenceClassifier(_Shared, nn.Module):
+  """Encoder-only, fine-tuned to classify: tokens [B, T] (one text a row, its first token
+  <bos>) -> logits [B, num_labels]. The encoder is the masked language model's (the same
+  parameter names, so a pretrained one starts it: training/finetune.py); the head reads the
+  first position's features, as BERT's: a dense layer and tanh (the pooler), dropout, then a
+  dense layer to the labels."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self._setup_encoder()
+    self.pooler = nn.Dense(cfg.d_model, dtype=cfg.compute_dtype,
+                           kernel_init=_init(("embed", "mlp")),
+                           bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                  ("mlp",)))
+    # Small weights (BERT's 0.02): the labels start near equally likely.
+    self.classifier = nn.Dense(cfg.num_labels, dtype=cfg.compute_dtype,
+                               kernel_init=nn.with_logical_partitioning(
+                                   nn.initializers.normal(0.02), ("mlp", None)),
+                               bias_init=nn.initializers.zeros)
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+
+  def __call__(self, tokens, segments=None, positions=None, deterministic=True):
+    """tokens: [B, T] int (0 = padding) -> logits [B, num_labels] (float32)."""
+    x = self._encode(self.embed, tokens, segments, positions, deterministic)  # [B, T, D]
+    pooled = jnp.tanh(self.pooler(x[:, 0]))  # [B, D]: the first token's features.
+    pooled = self.dropout(pooled, deterministic=deterministic)
+    return self.classifier(pooled).astype(jnp.float32)
 
 
 def _default_segments(tokens, segments, positions):

@@ -22,7 +22,6 @@ complete: nothing half-written is left, and nothing that exists is cleared.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax

@@ -34,14 +34,25 @@ from transformer_jax.training import hlo as hlo_lib
 from transformer_jax.training.targets import (GIB, PROGRAMS, AotError, Target, cudnn_found,
                                               install_command, plugins_dir)
 
-def _abstract_batch(rows: int, max_len: int, mesh, documents: bool = False):
-  """A batch's shapes: sentence pairs, or a language model's documents (`documents`)."""
+# The labels a classifier's programs are compiled for: the data decides how many a run has, and
+# the head's size hardly changes the programs.
+AOT_LABELS = 8
+
+
+def _abstract_batch(rows: int, max_len: int, mesh, documents: bool = False,
+                    labelled: bool = False):
+  """A batch's shapes: sentence pairs, a language model's documents (`documents`), or a
+  classifier's labelled texts (`labelled`)."""
   import jax
   import jax.numpy as jnp
   from transformer_jax import sharding
   from transformer_jax.data.packing import FEATURES, LM_FEATURES
-  spec = jax.ShapeDtypeStruct((rows, max_len), jnp.int32, sharding=sharding.batch_sharding(mesh))
-  return {k: spec for k in (LM_FEATURES if documents else FEATURES)}
+  sh = sharding.batch_sharding(mesh)
+  spec = jax.ShapeDtypeStruct((rows, max_len), jnp.int32, sharding=sh)
+  batch = {k: spec for k in (LM_FEATURES if documents or labelled else FEATURES)}
+  if labelled:
+    batch["labels"] = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)
+  return batch
 
 
 def _per_device_bytes(tree) -> int:
@@ -105,6 +116,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   import numpy as np
   from transformer_jax import config as config_lib, sharding
   from transformer_jax.models import build, flops as flops_lib
+  from transformer_jax.data.catalog import DATASETS
   from transformer_jax.training import checks, steps as step_lib
   cfg = checks.validated(config)
   data = cfg.data
@@ -114,8 +126,9 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   except config_lib.ConfigError as e:
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
   vocab = data.vocab_size
+  labelled = DATASETS[data.dataset].labelled
   model_cfg = build.model_config(cfg.model, vocab, vocab, platform=target.platform,
-                                    max_len=data.max_len)
+                                 max_len=data.max_len, num_labels=AOT_LABELS * labelled)
   documents = model_cfg.family in config_lib.DOCUMENT_FAMILIES
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu" and not cudnn_found():
     raise AotError(
@@ -127,7 +140,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = step_lib.abstract_train_state(
       model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
-  masking = step_lib.masking_of(model_cfg.family, vocab)
+  masking = step_lib.masking_of(model_cfg.family, vocab, model_cfg.num_labels)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   n = len(devices)
   report = {
@@ -137,7 +150,8 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
       "mesh": dict(zip(sharding.MESH_AXES, (int(s) for s in mesh.devices.shape))),
       "batch_size": data.batch_size, "max_len": data.max_len,
       "grad_accum_steps": cfg.step.grad_accum_steps, "loss_chunks": cfg.step.loss_chunks,
-      "vocab_size": vocab, "dtype": model_cfg.dtype, "attention_impl": model_cfg.attention_impl,
+      "vocab_size": vocab, "num_labels": model_cfg.num_labels, "dtype": model_cfg.dtype,
+      "attention_impl": model_cfg.attention_impl,
       "embed_grad": model_cfg.embed_grad, "compiler_options": _compiler_options(target),
       "scan_layers": model_cfg.scan_layers, "remat": model_cfg.remat,
       "params_bytes_per_device": _per_device_bytes(state.params),
@@ -150,9 +164,9 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
     with sharding.mesh_context(mesh):
       if name == "train":
         return p_train.lower(state, _abstract_batch(data.batch_size, data.max_len, mesh,
-                                                    documents))
+                                                    documents, labelled))
       if name == "eval":
-        batch = _abstract_batch(cfg.eval.batch_size, data.max_len, mesh, documents)
+        batch = _abstract_batch(cfg.eval.batch_size, data.max_len, mesh, documents, labelled)
         if masking:  # Evaluation reads masks drawn once (the train step draws its own).
           batch.update(masked_inputs=batch["targets"],
                        masked=jax.ShapeDtypeStruct(batch["targets"].shape, np.bool_,

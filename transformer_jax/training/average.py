@@ -15,7 +15,6 @@ beside OUTPUT (`.OUTPUT.partial-XXXX`, never one that exists) and renamed when c
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax

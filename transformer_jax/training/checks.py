@@ -18,12 +18,18 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   cfg = config_lib.parse(config)
   config_lib.check(cfg.data.dataset in DATASETS, f"data.dataset={cfg.data.dataset!r} is "
                    f"unknown; choose one of {sorted(DATASETS)}")
-  documents = DATASETS[cfg.data.dataset].documents
-  config_lib.check(documents == (cfg.model.family in config_lib.DOCUMENT_FAMILIES),
-                   f"data.dataset={cfg.data.dataset!r} holds "
-                   f"{'documents, for' if documents else 'sentence pairs, for'} "
-                   f"{'decoder_only or encoder_only' if documents else 'encoder_decoder'} "
+  spec = DATASETS[cfg.data.dataset]
+  kind, families = (("documents", config_lib.DOCUMENT_FAMILIES) if spec.documents else
+                    ("labelled texts", ("encoder_only",)) if spec.labelled else
+                    ("sentence pairs", ("encoder_decoder",)))
+  config_lib.check(cfg.model.family in families,
+                   f"data.dataset={cfg.data.dataset!r} holds {kind}, for {' or '.join(families)} "
                    f"models; model.family={cfg.model.family!r}")
+  if spec.labelled:  # A classifier: one text a row, one prediction a row.
+    config_lib.check(not cfg.data.packing, "data.packing=True packs several texts a row; a "
+                     "classifier reads one text a row: set data.packing=False")
+    config_lib.check(cfg.step.loss_chunks == 1, f"step.loss_chunks={cfg.step.loss_chunks} "
+                     "slices a vocabulary's logits; a classifier has none: set it to 1")
   return cfg
 
 

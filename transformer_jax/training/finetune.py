@@ -3,7 +3,8 @@
 The new run begins at step 0 with a fresh optimizer state and its own schedule, on its own data,
 with the other run's tokenizer (the vocabulary the parameters were trained with). The other run
 must hold the same model: every field that shapes the parameters, and the same tokenizer kind
-and vocabulary size. The parameters taken are the ones the other run decodes with: its moving
+and vocabulary size (and max_len, with learned positions). A classifier may start from a masked
+language model of the same shape: it takes the encoder, and its head starts afresh. The parameters taken are the ones the other run decodes with: its moving
 average where it kept one. Once the new run has a checkpoint of its own, it resumes from that,
 and `init_from` is not read again.
 """
@@ -17,7 +18,7 @@ from absl import logging
 
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
-from transformer_jax.models.trained import read_params
+from transformer_jax.models.trained import open_run, read_params
 from transformer_jax.workdir import Workdir
 
 # Model fields that change what is computed but not the parameters' names or shapes.
@@ -41,9 +42,10 @@ def check_source(cfg: config_lib.Config, init_from: str) -> Workdir:
   if not source.checkpoint_steps():
     raise InitFromError(f"{where} holds no checkpoint to start from")
   source.tokenizers()  # Raises where there is none.
-  differences = [
-      (f"data.{k}", getattr(cfg.data, k), getattr(saved.data, k))
-      for k in ("tokenizer", "vocab_size")]
+  # The tokenizer's ids, and the rows of learned positions.
+  shaping = ("tokenizer", "vocab_size") + (("max_len",) if cfg.model.positions == "learned"
+                                           else ())
+  differences = [(f"data.{k}", getattr(cfg.data, k), getattr(saved.data, k)) for k in shaping]
   differences += [(f"model.{k}", v, getattr(saved.model, k))
                   for k, v in dataclasses.asdict(cfg.model).items()
                   if k not in FREE_MODEL_FIELDS]
@@ -57,10 +59,25 @@ def check_source(cfg: config_lib.Config, init_from: str) -> Workdir:
 def start_from(state, source: Workdir, model, mesh, shardings):
   """`state` (a fresh one, step 0) with the parameters of `source`'s newest checkpoint that
   verifies (its moving average where it kept one); its moving average, where this run keeps
-  one, starts from them too."""
+  one, starts from them too. The model's parts that `source` lacks (a classifier's head, when
+  it is a masked language model) keep their fresh initialization, and the parts of `source`
+  this model lacks (the masked-LM head) are left out, both logged."""
   saved = source.load_config()
   key = "ema_params" if saved.step.ema_decay > 0 else "params"
-  step, params = read_params(source, model, mesh, key)
+  step, taken = read_params(source, open_run(source).model, mesh, key)
+  params = dict(state.params)
+  for name in params.keys() & taken.keys():
+    ours, theirs = (jax.tree.map(lambda x: (x.shape, x.dtype), t)
+                    for t in (params[name], taken[name]))
+    if ours != theirs:  # check_source compares the fields that shape them: a bug if reached.
+      raise InitFromError(f"run.init_from={str(source.path)!r}: its parameters {name!r} have "
+                          "other shapes than this model's")
+    params[name] = taken[name]
+  fresh, left = sorted(params.keys() - taken.keys()), sorted(taken.keys() - params.keys())
+  if fresh or left:
+    logging.info("From %s: kept %s; initialized afresh: %s; left out: %s", source.path,
+                 ", ".join(sorted(params.keys() & taken.keys())), ", ".join(fresh) or "none",
+                 ", ".join(left) or "none")
   params = jax.device_put(params, shardings.params)
   ema = None if state.ema_params is None else jax.device_put(params, shardings.ema_params)
   logging.info("Starting from the %s of step %d of %s, with a fresh optimizer state",

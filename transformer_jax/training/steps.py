@@ -181,7 +181,9 @@ _SUMS = ("loss_sum", "nll_sum", "correct", "tokens")
 
 def loss_weights(batch: Batch) -> jax.Array:
   """[B, T] bool: the target tokens the loss counts: every real one, or a masked language
-  model's masked ones."""
+  model's masked ones; [B, 1] for a classifier's batch: its rows that hold a text."""
+  if "labels" in batch:
+    return batch["targets_segment_ids"][:, :1] > 0
   if "masked" in batch:
     return batch["masked"]
   return batch["targets_segment_ids"] > 0
@@ -197,10 +199,11 @@ class Masking:
   rate: float = 0.15
 
 
-def masking_of(family: str, vocab_size: int) -> Masking | None:
-  """A family's masking rule (an encoder-only model's; None for the others), its tokenizer
-  having `vocab_size` pieces (the mask id is the next: build.mask_id)."""
-  if family != "encoder_only":
+def masking_of(family: str, vocab_size: int, num_labels: int = 0) -> Masking | None:
+  """A family's masking rule (a masked language model's; None for the others and for a
+  classifier, `num_labels` > 0), its tokenizer having `vocab_size` pieces (the mask id is the
+  next: build.mask_id)."""
+  if family != "encoder_only" or num_labels:
     return None
   return Masking(mask_id=build.mask_id(vocab_size), vocab_size=vocab_size)
 
@@ -230,9 +233,14 @@ def with_masks(batch: Batch, key: jax.Array, masking: Masking) -> Batch:
 
 def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss_chunks: int = 1,
               deterministic: bool = True, rngs=None) -> dict[str, jax.Array]:
-  """cross_entropy's sums over a batch; with `loss_chunks` > 1 through projected_loss (the
-  [B, T, V] logits never whole; only `loss_sum` is differentiable then)."""
-  targets, weights = batch["targets"], loss_weights(batch)
+  """cross_entropy's sums over a batch (a classifier's batch, with `labels` [B]: over its rows);
+  with `loss_chunks` > 1 through projected_loss (the [B, T, V] logits never whole; only
+  `loss_sum` is differentiable then)."""
+  weights = loss_weights(batch)
+  if "labels" in batch:  # A classifier's: one prediction a row, [B, 1, labels].
+    logits = _apply(apply_fn, params, batch, deterministic, rngs)
+    return cross_entropy(logits[:, None], batch["labels"][:, None], weights, label_smoothing)
+  targets = batch["targets"]
   if loss_chunks == 1:
     features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
     logits = apply_fn({"params": params}, features, method="logits")  # Compute dtype.
@@ -388,6 +396,8 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig(),
              "nonfinite": 1.0 - finite.astype(jnp.float32)}
   if masking is not None:
     metrics["masked_tokens"] = sums["tokens"]
+  if "labels" in batch:
+    metrics["examples"] = sums["tokens"]
   return new_state, metrics
 
 

@@ -19,7 +19,8 @@ from transformer_jax.models import build, flops as flops_lib
 from transformer_jax.training import (aot, checks, finetune, preemption as preemption_lib, resume,
                                       steps as step_lib, writers)
 from transformer_jax.training.bleu_eval import BleuEval
-from transformer_jax.data import documents, pipeline
+from transformer_jax.data import documents, labelled, pipeline
+from transformer_jax.data.catalog import DATASETS
 from transformer_jax.workdir import Workdir
 
 
@@ -45,6 +46,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   """train_and_evaluate's run, its config and workdir checked."""
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
   lm = cfg.model.family in config_lib.DOCUMENT_FAMILIES  # Documents, not sentence pairs.
+  classifier = DATASETS[data_cfg.dataset].labelled  # Labelled texts, one a row.
   workdir = run_dir.path
   # Fine-tuning reads the other run only while this one has no checkpoint of its own.
   source = (finetune.check_source(cfg, run.init_from)
@@ -54,8 +56,12 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   first_host = dict(
       is_first_host=primary, tokenizer_from=source and source.path,
       wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
-  data = (pipeline.prepare_documents(data_cfg, workdir, **first_host) if lm else
-          pipeline.prepare(data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, **first_host))
+  if classifier:
+    data = pipeline.prepare_labelled(data_cfg, workdir, **first_host)
+  elif lm:
+    data = pipeline.prepare_documents(data_cfg, workdir, **first_host)
+  else:
+    data = pipeline.prepare(data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, **first_host)
   # A Ctrl-C that library code swallowed (one raised in a __del__ is only printed) still stops.
   errors.raise_if_interrupted()
   workdir.mkdir(parents=True, exist_ok=True)
@@ -63,11 +69,12 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
                     run.compilation_cache_dir or str(run_dir.jax_cache))
   model = build.build_model(build.model_config(
       cfg.model, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size,
-      max_len=data_cfg.max_len))
+      max_len=data_cfg.max_len, num_labels=len(data.label_names)))
   state, state_shardings = step_lib.create_train_state(
       model, step_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
       data_cfg.max_len, ema=cfg.step.ema_decay > 0)
-  masking = step_lib.masking_of(cfg.model.family, data.tokenizers.tgt.vocab_size)
+  masking = step_lib.masking_of(cfg.model.family, data.tokenizers.tgt.vocab_size,
+                                model.cfg.num_labels)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   if run.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
     p_train = aot.load_train_step(run.compiled_train_step, p_train, state, mesh,
@@ -78,10 +85,15 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
       overlong=data_cfg.overlong, seed=run.seed, pack=data_cfg.packing,
       num_workers=pipeline.resolve_workers(data_cfg.num_workers),
       process_index=jax.process_index(), process_count=hosts, concat_prob=data_cfg.concat_prob,
-      concat_max=data_cfg.concat_max, documents=lm)
+      concat_max=data_cfg.concat_max, documents=lm, labels=data.train_labels)
   rows = dict(batch_size=ev.batch_size, max_len=data_cfg.max_len, pack=data_cfg.packing,
               process_index=jax.process_index(), process_count=hosts)
-  if lm:
+  if classifier:
+    labelled.log_texts(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len,
+                       data.train_labels, data.label_names)
+    eval_data = labelled.eval_batches(data.eval, data.eval_labels, **rows)
+    majority = float(np.mean(data.eval_labels == np.argmax(np.bincount(data.train_labels))))
+  elif lm:
     documents.log_documents(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len)
     eval_data = documents.eval_batches(data.eval, **rows)
   else:
@@ -166,6 +178,9 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
           eval_start = time.perf_counter()
           result = step_lib.summarize_eval(
               [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data], per_char)
+          if classifier:  # Against always guessing the training split's most frequent label.
+            result.pop("perplexity")  # Of a token, not a label.
+            result["majority_accuracy"] = majority
           if bleu_eval:
             result["bleu"], examples = bleu_eval(state.eval_params())
             writer.write_texts(step, {"eval/examples": "\n".join(examples)})
