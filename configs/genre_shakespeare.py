@@ -11,9 +11,10 @@ The `shakespeare_genre` dataset (data/builders.py): the 36 plays of the Folio cu
 of 10 non-blank lines, each labelled by its play's genre; one play of each genre is held out for
 validation and one for test, so the classifier is scored on plays it never read a line of. The
 model is the pretrained encoder with BERT's classification head on the first (<bos>) position.
-Without run.init_from it trains from scratch (the baseline the pretraining is measured against).
+Without run.init_from it starts from random parameters (the baseline the pretraining is
+measured against).
 `configs/genre_shakespeare.py:smoke` runs a few steps of a tiny model in seconds (from
-configs/mlm_shakespeare.py:smoke's run, or from scratch).
+configs/mlm_shakespeare.py:smoke's run, or from random parameters).
 """
 
 from transformer_jax.config import base_config, smoke, variants

@@ -136,6 +136,7 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
            "transformer_jax.data.tokenizer": "TokenizerError",
            "transformer_jax.data.packing": "NoPairsError",
            "transformer_jax.data.documents": "NoDocumentsError",
+           "transformer_jax.data.pipeline": "LabelsError",
            "transformer_jax.data.builders": "DatasetError",
            "transformer_jax.data.download": "DownloadError"}
   for module, name in names.items():

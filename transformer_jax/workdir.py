@@ -25,7 +25,6 @@ from pathlib import Path
 from absl import logging
 
 from transformer_jax import checkpoint, config as config_lib, errors
-from transformer_jax.data.catalog import DATASETS
 from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.errors import UserError
 
@@ -203,11 +202,9 @@ class Workdir:
 
   def model_kind(self) -> str:
     """What the run trained: its model.family, or "classifier" for an encoder-only model
-    fine-tuned on labelled texts (MODEL_KINDS)."""
-    config = self.load_config()
-    if config.model.family == "encoder_only" and DATASETS[config.data.dataset].labelled:
-      return "classifier"
-    return config.model.family
+    trained on labelled texts (it keeps their labels: MODEL_KINDS)."""
+    family = self.load_config().model.family
+    return "classifier" if family == "encoder_only" and self.labels() else family
 
   def check_family(self, kind: str, command: str) -> None:
     """A one-line WorkdirError where the run's model is not of `kind` (a model.family or
