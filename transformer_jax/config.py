@@ -157,6 +157,9 @@ class ModelConfig(_Section):
   num_decoder_layers: int = 6
   dropout_rate: float = 0.1
   pre_ln: bool = False  # False: the paper's post-LN blocks.
+  # A LayerNorm over the embedded tokens and positions, before the first block, as BERT has
+  # (encoder_only models; what an export to BERT needs).
+  embed_norm: bool = False
   attention_bias: bool = True
   # Every LayerNorm's epsilon. 1e-6 is flax's default, which every recipe here was trained with
   # (and a saved config.json from before this field means); the d2l chapter's PyTorch uses 1e-5.
@@ -202,6 +205,9 @@ class ModelConfig(_Section):
             "language models (an encoder-decoder adds sinusoidal positions)")
       self._positive("d_model", "num_heads", "ffn_dim", "num_encoder_layers",
                      "num_decoder_layers")
+    check(not self.embed_norm or self.family == "encoder_only", f"model.embed_norm=True is "
+          f"BERT's LayerNorm after the embeddings: encoder_only models only, not "
+          f"model.family={self.family!r}")
     check(self.d_model % self.num_heads == 0,
           f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
     check(self.d_model % 2 == 0, f"model.d_model={self.d_model} must be even (sinusoidal "
@@ -456,7 +462,8 @@ def names_this_projects_fields(saved: Mapping[str, Any]) -> bool:
 # Fields added after runs were saved, and the value a saved config without them was trained
 # with (a default may change; what an old run computed may not).
 _VALUE_BEFORE_FIELD = {("model", "layer_norm_eps"): 1e-6, ("model", "family"): "encoder_decoder",
-                       ("model", "positions"): "sinusoidal", ("model", "activation"): "relu"}
+                       ("model", "positions"): "sinusoidal", ("model", "activation"): "relu",
+                       ("model", "embed_norm"): False}
 
 
 def parse(config: ml_collections.ConfigDict | Mapping[str, Any] | Config,

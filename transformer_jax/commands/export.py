@@ -4,6 +4,7 @@
   python -m transformer_jax export --workdir runs/fra_eng --to ctranslate2 \
       --quantization int8 runs/fra_eng_ct2_int8
   python -m transformer_jax export --workdir runs/fra_eng --to jax runs/fra_eng_jax
+  python -m transformer_jax export --workdir runs/lm_shakespeare --to huggingface runs/lm_hf
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from transformer_jax.workdir import Workdir  # noqa: E402
 def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "A training workdir.")
   flags.DEFINE_enum("to", None, FORMATS, "ctranslate2: a CTranslate2 model directory; jax: "
-                    "serialized jax.export decoders (greedy and beam) with their parameters.")
+                    "serialized jax.export decoders (greedy and beam) with their parameters; "
+                    "huggingface: a transformers model directory (GPT-2, BERT or Marian).")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest that verifies.")
   flags.DEFINE_string("quantization", None, "ctranslate2 only: store the weights as int8, "
                       "int8_float32, int16, float16, ... (default: float32).")
@@ -43,7 +45,7 @@ def main(argv):
       raise ExportError("--workdir and --to are required")
     if FLAGS.beam_size is not None and FLAGS.beam_size < 1:
       raise ExportError(f"--beam_size must be at least 1, got {FLAGS.beam_size}")
-    Workdir(FLAGS.workdir).check_family("encoder_decoder", "export")
+    Workdir(FLAGS.workdir).load_config()  # A training workdir, or one line.
     out = export(FLAGS.workdir, FLAGS.to, argv[1], step=FLAGS.step,
                  quantization=FLAGS.quantization, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha)
   print(f"Exported {FLAGS.workdir} to {out} ({FLAGS.to})")

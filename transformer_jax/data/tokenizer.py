@@ -87,6 +87,10 @@ class SentencePiece:
     """Every piece, by id (the reserved ids' names included)."""
     return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
+  def scores(self) -> list[float]:
+    """Every piece's unigram log-probability (its score in the model), by id."""
+    return [self._sp.get_score(i) for i in range(self.vocab_size)]
+
   def characters(self) -> list[int]:
     """The characters of text each id stands for, by id: 0 for <pad>, <bos> and <eos>, 1 for
     <unk> (one unknown character); a byte piece counts 1 where it starts a UTF-8 character,

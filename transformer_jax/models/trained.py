@@ -59,3 +59,12 @@ def abstract_params(model: Transformer | LanguageModel):
   # The key is made inside, so that nothing here runs (each op run eagerly is a program to
   # compile or load).
   return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
+
+
+def layer_params(params, prefix: str, count: int) -> list[dict]:
+  """Each layer's parameters, as unscanned models name them (encoder_0, ...), from either stack
+  (a scanned one holds [layers, ...] arrays): what exports read layer by layer."""
+  if f"{prefix}_stack" in params:
+    stacked = params[f"{prefix}_stack"]["layers"]["block"]
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
+  return [params[f"{prefix}_{i}"] for i in range(count)]

@@ -559,10 +559,12 @@ class _Shared:
       nn.share_scope(self, self.encoder_stack)  # Parameters encoder_0, encoder_1, ...
     if cfg.pre_ln:
       self.encoder_norm = _final_norm(cfg, "encoder_norm")
+    if cfg.embed_norm:
+      self.embed_norm = _final_norm(cfg, "embed_norm")
 
   def _inputs(self, embed, tokens, positions, deterministic):
     """[B, L] tokens -> [B, L, D]: embedding * sqrt(D) + positions (sinusoidal, or the learned
-    `position_embedding`), then dropout."""
+    `position_embedding`), a LayerNorm where `embed_norm` (BERT's), then dropout."""
     # A Python float is weakly typed: x stays in the compute dtype (a NumPy float64 scalar
     # would promote bfloat16 to float32, and a scanned stack's carry must keep one dtype).
     x = embed(tokens) * float(np.sqrt(self.cfg.d_model))
@@ -570,6 +572,8 @@ class _Shared:
       x = x + jnp.take(self.position_embedding, positions, axis=0).astype(x.dtype)
     else:
       x = x + sinusoidal_positions(positions, self.cfg.d_model).astype(x.dtype)
+    if self.cfg.embed_norm:
+      x = self.embed_norm(x)
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     return self.dropout(x, deterministic=deterministic)
 

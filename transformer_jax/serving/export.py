@@ -10,6 +10,8 @@ them, the source's <eos> added by CTranslate2) and the SentencePiece model besid
 (`tokenizer.model`). `--quantization int8` stores int8 weights; CTranslate2 can also quantize
 a float32 model when it loads it (`compute_type`).
 
+`huggingface`: a `transformers` model directory of any family (serving/huggingface.py).
+
 `jax`: serialized `jax.export` programs of the jitted decoder, greedy and beam search, for a
 few source widths (any batch size), the parameters as `params.npz` and the SentencePiece
 model; `transformer_jax.serving.exported.ExportedTranslator` runs them with jax, NumPy and
@@ -35,8 +37,11 @@ from transformer_jax.data.tokenizer import BOS, EOS, PAD, SPM_FILE, UNK, Sentenc
 from transformer_jax.errors import UserError
 from transformer_jax.models.transformer import sinusoidal_positions
 from transformer_jax.decoding.translator import Translator
+from transformer_jax.models import trained
+from transformer_jax.serving import huggingface
+from transformer_jax.workdir import Workdir
 
-FORMATS = ("ctranslate2", "jax")
+FORMATS = ("ctranslate2", "jax", "huggingface")
 # The weight types CTranslate2's converter stores (`--quantization`).
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
                  "bfloat16", "float32")
@@ -70,6 +75,15 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
   if alpha is not None and alpha < 0:
     raise ExportError(f"--alpha must be >= 0 (0: no length penalty), got {alpha}")
   fs.check_writable(output, "the output")
+  if to == "huggingface":
+    if beam_size is not None or alpha is not None:
+      raise ExportError("--beam_size and --alpha apply to --to jax only")
+    why = huggingface.refusal(workdir)
+    if why:
+      raise ExportError(f"{workdir} has no Hugging Face counterpart: {why}")
+    huggingface.export(workdir, output, step)
+    return output
+  Workdir(workdir).check_family("encoder_decoder", f"export --to {to}")
   translator = Translator(workdir, step, ema=True)
   if not isinstance(translator.tokenizers.src, SentencePiece):
     raise ExportError(f"{workdir} uses word vocabularies; export needs a SentencePiece workdir")
@@ -83,14 +97,6 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
     (partial / SPM_FILE).write_bytes(translator.tokenizers.src.model_proto)
   logging.info("Exported step %s of %s to %s (%s)", translator.step, workdir, output, to)
   return output
-
-
-def _layers(params, prefix: str, count: int) -> list[dict]:
-  """Each layer's parameters, as unscanned models name them (encoder_0, ...), from either stack."""
-  if f"{prefix}_stack" in params:  # Scanned: [layers, ...] arrays.
-    stacked = params[f"{prefix}_stack"]["layers"]["block"]
-    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
-  return [params[f"{prefix}_{i}"] for i in range(count)]
 
 
 def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None) -> None:
@@ -129,11 +135,13 @@ def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None)
   if cfg.pre_ln:
     _norm(spec.encoder.layer_norm, params["encoder_norm"])
     _norm(spec.decoder.layer_norm, params["decoder_norm"])
-  for layer, p in zip(spec.encoder.layer, _layers(params, "encoder", cfg.num_encoder_layers)):
+  encoder = trained.layer_params(params, "encoder", cfg.num_encoder_layers)
+  for layer, p in zip(spec.encoder.layer, encoder):
     _attention(layer.self_attention, p["self_attention"], ("query", "key", "value"))
     _norm(layer.self_attention.layer_norm, p["attention_sublayer"]["norm"])
     _ffn(layer.ffn, p)
-  for layer, p in zip(spec.decoder.layer, _layers(params, "decoder", cfg.num_decoder_layers)):
+  decoder = trained.layer_params(params, "decoder", cfg.num_decoder_layers)
+  for layer, p in zip(spec.decoder.layer, decoder):
     _attention(layer.self_attention, p["self_attention"], ("query", "key", "value"))
     _norm(layer.self_attention.layer_norm, p["self_attention_sublayer"]["norm"])
     _attention(layer.attention, p["cross_attention"], ("query",), ("key", "value"))
