@@ -13,7 +13,13 @@ import numpy as np
 from tests.conftest import ROOT
 
 
-def export(workdir: Path, out: Path) -> subprocess.CompletedProcess:
+def export(workdir: Path, out: Path) -> Path:
+  """`export --to huggingface` in this process (the command's own errors: export_command)."""
+  from transformer_jax.serving import export as export_lib
+  return export_lib.export(workdir, "huggingface", out)
+
+
+def export_command(workdir: Path, out: Path) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "transformer_jax", "export", "--workdir",
                          str(workdir), "--to", "huggingface", str(out)], cwd=ROOT,
                         capture_output=True, text=True, timeout=600)

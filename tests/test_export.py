@@ -195,8 +195,7 @@ def test_a_translation_model_exports_to_marian_with_the_same_ids_logits_and_gree
   from transformers import AutoTokenizer, MarianMTModel
   _, workdir = trained
   out = tmp_path / "hf"
-  proc = exported.export(workdir, out)
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  exported.export(workdir, out)
   translator = Translator(workdir)
   ours = translator.tokenizers.src
   # The tokenizer: the Tatoeba test sources' ids, <eos> after each, as translate reads them.
