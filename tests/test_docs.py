@@ -164,11 +164,11 @@ def workdir_as_documented(tmp_path_factory, trained):
   return scratch
 
 
-@pytest.mark.parametrize("command", [
+@pytest.mark.parametrize("command", sorted({  # A command two docs show runs once.
     c for _, c in ALL_COMMANDS if _runnable(c)
     and re.match(r"\S*python -m transformer_jax (translate|visualize|average) --workdir "
                  r"runs/fra_eng( \"[^\"]+\")* ?(--out \S+|--last 3 --output \S+)? ?(\"[^\"]+\"\s*)*$",
-                 c)])
+                 c)}))
 def test_the_short_documented_commands_run_as_written(workdir_as_documented, command):
   """translate, visualize and average, exactly as documented, on a workdir named as in the docs
   (the smoke run's model)."""
