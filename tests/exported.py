@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,14 @@ def their_outputs(out: Path, cls: str, ids: np.ndarray, mask: np.ndarray) -> np.
   with torch.no_grad():
     return model(input_ids=torch.from_numpy(ids),
                  attention_mask=torch.from_numpy(mask)).logits.numpy()
+
+
+def with_model_field(workdir: Path, to: Path, field: str, value) -> Path:
+  """A workdir's config.json and tokenizer in `to`, one model field changed: enough for the
+  export's refusals, which come before any parameter is read."""
+  to.mkdir()
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["model"][field] = value
+  (to / "config.json").write_text(json.dumps(saved))
+  (to / "tokenizer.model").write_bytes((workdir / "tokenizer.model").read_bytes())
+  return to

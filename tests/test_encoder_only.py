@@ -453,12 +453,7 @@ def test_a_classifier_exports_to_bert_with_its_labels_and_the_same_logits(genre_
 
 def test_export_refuses_an_encoder_without_berts_embedding_norm(mlm_run, tmp_path):
   from tests import exported
-  plain = tmp_path / "plain"
-  plain.mkdir()
-  saved = json.loads((mlm_run / "config.json").read_text())
-  saved["model"]["embed_norm"] = False
-  (plain / "config.json").write_text(json.dumps(saved))
-  (plain / "tokenizer.model").write_bytes((mlm_run / "tokenizer.model").read_bytes())
+  plain = exported.with_model_field(mlm_run, tmp_path / "plain", "embed_norm", False)
   proc = exported.export_command(plain, tmp_path / "hf")
   assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
       f"error: {plain} has no Hugging Face counterpart: it has no LayerNorm after its "

@@ -485,12 +485,7 @@ def test_a_language_model_exports_to_gpt2_with_the_same_ids_logits_and_greedy_to
 
 def test_export_refuses_a_language_model_gpt2_cannot_hold(lm_run, tmp_path):
   from tests import exported
-  post_ln = tmp_path / "post_ln"
-  post_ln.mkdir()
-  saved = json.loads((lm_run / "config.json").read_text())
-  saved["model"]["pre_ln"] = False
-  (post_ln / "config.json").write_text(json.dumps(saved))
-  (post_ln / "tokenizer.model").write_bytes((lm_run / "tokenizer.model").read_bytes())
+  post_ln = exported.with_model_field(lm_run, tmp_path / "post_ln", "pre_ln", False)
   proc = exported.export_command(post_ln, tmp_path / "hf")
   assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
       f"error: {post_ln} has no Hugging Face counterpart: it is post-LN (model.pre_ln=False); "
