@@ -191,13 +191,13 @@ class LabelsError(UserError, ValueError):
 
 
 def prepare_labelled(cfg: DataConfig, workdir: str | Path, *, is_first_host: bool = True,
-                     wait_for_first_host=lambda: None,
-                     tokenizer_from: Path | None = None) -> Prepared:
+                     wait_for_first_host=lambda: None, tokenizer_from: Path | None = None,
+                     trained_labels: tuple[str, ...] = ()) -> Prepared:
   """`prepare_documents` for labelled texts (a classifier's corpus): each text one record of
-  the token caches, and its label's id among the training split's labels (sorted by name, saved
-  in the workdir as the order of the classifier's outputs)."""
+  the token caches, and its label's id among the training split's labels, sorted by name (the
+  order of the classifier's outputs). `trained_labels`: those a resumed run was trained on,
+  which the training split must still hold."""
   from transformer_jax.data import sources  # tfds loads here, not on import.
-  from transformer_jax.workdir import Workdir
   data = prepare_documents(cfg, workdir, is_first_host=is_first_host,
                            wait_for_first_host=wait_for_first_host, tokenizer_from=tokenizer_from)
   builder = sources.prepare_config(cfg)
@@ -207,17 +207,14 @@ def prepare_labelled(cfg: DataConfig, workdir: str | Path, *, is_first_host: boo
     labels[split] = [label for start in range(0, len(text), 10_000)
                      for label in text.read(range(start, min(start + 10_000, len(text))))[1]]
   names = tuple(sorted(set(labels[cfg.train_split])))
-  run = Workdir(workdir)
-  if run.labels() and run.labels() != names:
+  if trained_labels and trained_labels != names:
     raise LabelsError(
-        f"{run.path} was trained on the labels {', '.join(run.labels())}; its training split "
+        f"{workdir} was trained on the labels {', '.join(trained_labels)}; its training split "
         f"{cfg.train_split!r} now holds {', '.join(names)}: train in another workdir")
   unseen = sorted(set(labels[cfg.eval_split]) - set(names))
   if unseen:
     raise LabelsError(f"split {cfg.eval_split!r} of {cfg.dataset} has the label "
                       f"{unseen[0]!r}, which no text of {cfg.train_split!r} has")
-  if is_first_host:
-    run.write_labels(names)
   index = {name: i for i, name in enumerate(names)}
   ids = {split: np.array([index[x] for x in values], np.int32) for split, values in labels.items()}
   return dataclasses.replace(data, label_names=names, train_labels=ids[cfg.train_split],

@@ -56,8 +56,11 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   first_host = dict(
       is_first_host=primary, tokenizer_from=source and source.path,
       wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
-  if classifier:
-    data = pipeline.prepare_labelled(data_cfg, workdir, **first_host)
+  if classifier:  # Its labels kept in the workdir, in the order of its outputs.
+    data = pipeline.prepare_labelled(data_cfg, workdir, trained_labels=run_dir.labels(),
+                                     **first_host)
+    if primary:
+      run_dir.write_labels(data.label_names)
   elif lm:
     data = pipeline.prepare_documents(data_cfg, workdir, **first_host)
   else:
