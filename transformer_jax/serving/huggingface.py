@@ -28,12 +28,13 @@ post-LN with an embedding LayerNorm), a pre-LN translation model or one without 
 vocabulary table (Marian), an untied output projection (GPT-2's and BERT's have no
 bias of their own), word vocabularies. The tokenizer is this run's SentencePiece model as a
 `tokenizers` Unigram model (tokenizer.json), giving the same ids; <bos> is put before a text
-where this project's model reads one (language models, classifiers). A language model's
-generation_config.json keeps generate() from choosing <pad>, <bos>, <unk> or the padded
-vocabulary's ids, as this project's `generate` never does.
+where this project's model reads one (language models, classifiers), <eos> after a translation
+source. A generating model's generation_config.json keeps generate() from choosing what this
+project's decoders never choose: the padded vocabulary's ids (and <pad>, <bos>, <unk> for a
+language model).
 
-Written with NumPy, safetensors and tokenizers only: loading the result needs `transformers`
-and torch (pip install 'transformer_jax[huggingface]').
+Written with NumPy, safetensors and tokenizers only (pip install 'transformer_jax[huggingface]');
+loading the result takes `transformers` (in that extra) and torch.
 """
 
 from __future__ import annotations
