@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tests.conftest import ROOT
+from tests.conftest import DATA, ROOT
+
+
+def shakespeare_command(config: str, workdir, tfds_dir, cache_dir, *overrides: str) -> list[str]:
+  """train.py on a config's smoke variant over the shared Shakespeare works, in the tests' tfds
+  directory and compilation cache, no grain workers; `overrides`: --config.X=V flags."""
+  return [sys.executable, "train.py", "--config", f"configs/{config}.py:smoke",
+          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
+          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
+          "--config.data.num_workers=0", *overrides]
 
 
 def run(command: list[str]) -> str:

@@ -80,13 +80,11 @@ NUM_STEPS = 16
 
 
 def _command(workdir, tfds_dir, cache_dir):
-  return [sys.executable, "train.py", "--config", "configs/mlm_shakespeare.py:smoke",
-          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
-          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
-          f"--config.run.num_steps={NUM_STEPS}", "--config.run.log_every=1",
-          "--config.run.checkpoint_every=4", "--config.eval.every=8",
-          "--config.eval.num_batches=4", "--config.data.num_workers=0",
-          "--config.model.embed_norm=True"]  # BERT's LayerNorm after the embeddings.
+  return runs.shakespeare_command(
+      "mlm_shakespeare", workdir, tfds_dir, cache_dir, f"--config.run.num_steps={NUM_STEPS}",
+      "--config.run.log_every=1", "--config.run.checkpoint_every=4", "--config.eval.every=8",
+      "--config.eval.num_batches=4",
+      "--config.model.embed_norm=True")  # BERT's LayerNorm after the embeddings.
 
 
 def _run(*args):
@@ -264,18 +262,13 @@ def test_bad_labelled_files_are_named_before_anything_is_written(tmp_path, files
   assert not list((tmp_path / "tfds").rglob("*.array_record*"))
 
 
-def _genre_command(workdir, tfds_dir, cache_dir, *extra):
-  return [sys.executable, "train.py", "--config", "configs/genre_shakespeare.py:smoke",
-          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
-          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
-          "--config.run.num_steps=12", "--config.run.log_every=4", "--config.eval.every=12",
-          "--config.data.num_workers=0", "--config.model.embed_norm=True", *extra]
-
-
 @pytest.fixture(scope="module")
 def genre_run(mlm_run, tmp_path_factory, tfds_dir, cache_dir):
   workdir = tmp_path_factory.mktemp("genre")
-  log = runs.run(_genre_command(workdir, tfds_dir, cache_dir, f"--config.run.init_from={mlm_run}"))
+  log = runs.run(runs.shakespeare_command(
+      "genre_shakespeare", workdir, tfds_dir, cache_dir, "--config.run.num_steps=12",
+      "--config.run.log_every=4", "--config.eval.every=12", "--config.model.embed_norm=True",
+      f"--config.run.init_from={mlm_run}"))
   return workdir, log
 
 
@@ -460,3 +453,13 @@ def test_export_refuses_an_encoder_without_berts_embedding_norm(mlm_run, tmp_pat
       "embeddings (model.embed_norm=False); BERT has one: train with "
       "--config.model.embed_norm=True")
   assert not (tmp_path / "hf").exists()
+
+
+def test_a_damaged_labels_file_is_one_line(genre_run, tmp_path):
+  from transformer_jax.workdir import Workdir, WorkdirError
+  workdir, _ = genre_run
+  (tmp_path / "config.json").write_bytes((workdir / "config.json").read_bytes())
+  for damaged in ('["comedy", "hist', '{"comedy": 0}'):
+    (tmp_path / "labels.json").write_text(damaged)
+    with pytest.raises(WorkdirError, match=r"labels.json is damaged .*restore it from a copy"):
+      Workdir(tmp_path).model_kind()

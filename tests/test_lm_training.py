@@ -264,12 +264,10 @@ NUM_STEPS = 16
 
 
 def _command(workdir, tfds_dir, cache_dir, *extra):
-  return [sys.executable, "train.py", "--config", "configs/lm_shakespeare.py:smoke",
-          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
-          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
-          f"--config.run.num_steps={NUM_STEPS}", "--config.run.log_every=1",
-          "--config.run.checkpoint_every=4", "--config.eval.every=8",
-          "--config.eval.num_batches=4", "--config.data.num_workers=0", *extra]
+  return runs.shakespeare_command(
+      "lm_shakespeare", workdir, tfds_dir, cache_dir, f"--config.run.num_steps={NUM_STEPS}",
+      "--config.run.log_every=1", "--config.run.checkpoint_every=4", "--config.eval.every=8",
+      "--config.eval.num_batches=4", *extra)
 
 
 def _run(*args):

@@ -19,8 +19,8 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("train", "translate", "generate", "fill", "classify", "average", "visualize", "aot", "export",
-            "serve", "download")
+COMMANDS = ("train", "translate", "generate", "fill", "classify", "average", "visualize", "aot",
+            "export", "serve", "download")
 
 # Commands that have written all they make (their output files closed, their checkpoints only
 # read) when they end, and which then leave at once: tearing jax's runtime down, its compiled

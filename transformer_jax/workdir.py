@@ -217,9 +217,17 @@ class Workdir:
 
   def labels(self) -> tuple[str, ...]:
     """A classifier's label names, in the order of its outputs; () for the other models."""
-    if not (self.path / LABELS).is_file():
+    path = self.path / LABELS
+    if not path.is_file():
       return ()
-    return tuple(json.loads((self.path / LABELS).read_text(encoding="utf-8")))
+    try:
+      names = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise WorkdirError(f"{path} is damaged ({e}); restore it from a copy") from None
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+      raise WorkdirError(f"{path} is damaged (not a list of label names); restore it from a "
+                         "copy")
+    return tuple(names)
 
   def write_labels(self, names: tuple[str, ...]) -> None:
     self.path.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,10 @@ The new run begins at step 0 with a fresh optimizer state and its own schedule, 
 with the other run's tokenizer (the vocabulary the parameters were trained with). The other run
 must hold the same model: every field that shapes the parameters, and the same tokenizer kind
 and vocabulary size (and max_len, with learned positions). A classifier may start from a masked
-language model of the same shape: it takes the encoder, and its head starts afresh. The parameters taken are the ones the other run decodes with: its moving
-average where it kept one. Once the new run has a checkpoint of its own, it resumes from that,
-and `init_from` is not read again.
+language model of the same shape: it takes the encoder, and its head starts afresh. The
+parameters taken are the ones the other run decodes with: its moving average where it kept one.
+Once the new run has a checkpoint of its own, it resumes from that, and `init_from` is not read
+again.
 """
 
 from __future__ import annotations
