@@ -35,7 +35,8 @@ def _runnable(command: str) -> list[str] | None:
   argv = shlex.split(command)
   if argv[0] not in ("python", ".venv/bin/python") or argv[1:3] == ["-m", "pytest"]:
     return None
-  if re.search(r"configs/[A-Z]+\.py", command):  # A template: configs/CONFIG.py.
+  # A template: configs/CONFIG.py, or a config given a path to fill in (configs/NAME.py:PATH).
+  if re.search(r"configs/([A-Z]+\.py|\w+\.py:[A-Z]+\b)", command):
     return None
   return [sys.executable, *argv[1:]]
 

@@ -107,5 +107,6 @@ def test_init_from_a_directory_that_is_no_run_is_a_one_line_error(finetune_confi
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1, result.stderr[-2000:]
   assert result.stderr.strip().splitlines()[-1] == (
-      f"error: run.init_from={str(tmp_path)!r} holds no config.json: not a training workdir")
+      f"error: run.init_from={str(tmp_path)!r} holds no config.json: not a training workdir or "
+      "a Hugging Face checkpoint")
   assert not (tmp_path / "ft").exists()

@@ -117,7 +117,7 @@ def test_every_workdir_path_is_spelled_in_workdir_py():
         spelled.setdefault(node.value, set()).add(path.relative_to(ROOT).as_posix())
   # The Hugging Face export writes that format's own config.json, not a workdir's.
   assert spelled == {"config.json": {"transformer_jax/workdir.py",
-                                     "transformer_jax/serving/huggingface.py"},
+                                     "transformer_jax/models/huggingface.py"},
                      "checkpoints": {"transformer_jax/workdir.py"},
                      "jax_cache": {"transformer_jax/workdir.py"}}
 
@@ -137,6 +137,7 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
            "transformer_jax.fs": "NotWritableError",
            "transformer_jax.checkpoint": "CheckpointDamagedError",
            "transformer_jax.data.tokenizer": "TokenizerError",
+           "transformer_jax.models.huggingface": "CheckpointError",
            "transformer_jax.data.packing": "NoPairsError",
            "transformer_jax.data.documents": "NoDocumentsError",
            "transformer_jax.data.pipeline": "LabelsError",

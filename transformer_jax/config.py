@@ -103,7 +103,9 @@ class DataConfig(_Section):
   num_workers: str | int = "auto"  # grain processes building batches: "auto" or a count (0: none).
   train_split: str = "train"
   eval_split: str = "validation"
-  tokenizer: str = "sentencepiece"  # Or "word": d2l's word-level vocabularies.
+  # "sentencepiece", "word" (d2l's word-level vocabularies), or "huggingface": the tokenizer of
+  # the Hugging Face checkpoint that run.init_from names.
+  tokenizer: str = "sentencepiece"
   vocab_size: int = 8000  # SentencePiece only.
   tokenizer_sample: int = 200_000  # Training pairs (spread over the split) the tokenizer is fit on.
   max_len: int = 64  # Tokens per side, <eos> included; also the packed row length.
@@ -119,8 +121,8 @@ class DataConfig(_Section):
   def check(self):
     if self.data_dir:
       check(Path(self.data_dir).is_dir(), f"data.data_dir={self.data_dir!r} is not a directory")
-    check(self.tokenizer in ("sentencepiece", "word"),
-          f"data.tokenizer={self.tokenizer!r} must be 'sentencepiece' or 'word'")
+    check(self.tokenizer in TOKENIZERS,
+          f"data.tokenizer={self.tokenizer!r} must be one of {', '.join(TOKENIZERS)}")
     check(self.overlong in ("drop", "truncate"),
           f"data.overlong={self.overlong!r} must be 'drop' or 'truncate'")
     check(self.max_len >= 2, f"data.max_len={self.max_len} must be at least 2")
@@ -132,7 +134,9 @@ class DataConfig(_Section):
     check(self.concat_max >= 1, f"data.concat_max={self.concat_max} must be at least 1 (pairs)")
 
 
+TOKENIZERS = ("sentencepiece", "word", "huggingface")
 FAMILIES = ("encoder_decoder", "decoder_only", "encoder_only")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 # The families whose data is documents (language models), not sentence pairs.
 DOCUMENT_FAMILIES = ("decoder_only", "encoder_only")
 
@@ -149,7 +153,8 @@ class ModelConfig(_Section):
   # Positions added to the embeddings: "sinusoidal" (the paper's) or "learned" (a table of
   # data.max_len rows; language models).
   positions: str = "sinusoidal"
-  activation: str = "relu"  # The FFN's: "relu" (the paper's) or "gelu" (BERT's, GPT-2's).
+  # The FFN's: "relu" (the paper's), "gelu" (exact, BERT's) or "gelu_tanh" (GPT-2's).
+  activation: str = "relu"
   d_model: int = 512
   num_heads: int = 8
   ffn_dim: int = 2048
@@ -188,8 +193,8 @@ class ModelConfig(_Section):
           f"model.family={self.family!r} must be one of {', '.join(FAMILIES)}")
     check(self.positions in ("sinusoidal", "learned"),
           f"model.positions={self.positions!r} must be sinusoidal or learned")
-    check(self.activation in ("relu", "gelu"),
-          f"model.activation={self.activation!r} must be relu or gelu")
+    check(self.activation in ACTIVATIONS,
+          f"model.activation={self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
     if self.family == "decoder_only":
       check(self.num_encoder_layers == 0, f"model.num_encoder_layers={self.num_encoder_layers} "
             "is a translation field: a decoder_only model has num_decoder_layers blocks (set "
@@ -395,16 +400,20 @@ class Config:
     if family in DOCUMENT_FAMILIES:  # Translation fields a language model cannot use.
       for field, value, ok, why in (
           ("eval.bleu_sentences", self.eval.bleu_sentences, 0, "BLEU scores translations"),
-          ("data.concat_prob", data.concat_prob, 0.0, "it joins sentence pairs"),
-          ("data.tokenizer", data.tokenizer, "sentencepiece", "documents take a lossless "
-           "SentencePiece")):
+          ("data.concat_prob", data.concat_prob, 0.0, "it joins sentence pairs")):
         check(value == ok, f"{field}={value!r} is a translation field ({why}): set it to "
               f"{ok!r} for model.family={family!r}")
+      check(data.tokenizer != "word", "data.tokenizer='word' is a translation field (documents "
+            "take a lossless SentencePiece, or a checkpoint's own tokenizer): set it to "
+            f"'sentencepiece' for model.family={family!r}")
     check(self.model.attention_mask == "segments" or not data.packing,
           f"model.attention_mask={self.model.attention_mask!r} takes one sequence a row: set "
           "data.packing=False (packed rows need attention_mask='segments')")
-    check(not self.model.share_embeddings or data.tokenizer == "sentencepiece",
-          "model.share_embeddings needs the joint sentencepiece tokenizer (data.tokenizer)")
+    check(not self.model.share_embeddings or data.tokenizer != "word",
+          "model.share_embeddings needs one joint tokenizer (data.tokenizer='sentencepiece')")
+    check(data.tokenizer != "huggingface" or self.run.init_from,
+          "data.tokenizer='huggingface' is the tokenizer of the Hugging Face checkpoint that "
+          "run.init_from names: set run.init_from")
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)

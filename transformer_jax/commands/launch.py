@@ -63,6 +63,12 @@ def flags_parser(module_name: str):
   return parse
 
 
+def _cause(e: BaseException) -> BaseException | None:
+  """What `e` was raised from or while handling, unless it was raised `from None`."""
+  return e.__cause__ if e.__cause__ is not None else (
+      None if e.__suppress_context__ else e.__context__)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a bad flag, flag value, config file or config override reported
   in one line."""
@@ -94,8 +100,8 @@ def parse_flags(argv: list[str]) -> list[str]:
       sys.exit(f"error: {flag}: no such config field (the fields and "
                "their meanings are in transformer_jax/config.py)")
     root = e  # A config file that fails to load: the cause, not absl's wrapper.
-    while (root.__cause__ or root.__context__) is not None:
-      root = root.__cause__ or root.__context__
+    while _cause(root) is not None:
+      root = _cause(root)
     if root is not e and str(e).startswith("flag --config"):
       flag = str(e).split(": ", 1)[0].removeprefix("flag ")  # --config=configs/x.py:ARG
       sys.exit(f"error: {flag}: {errors.first_line(root)}")

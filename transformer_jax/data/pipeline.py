@@ -26,7 +26,7 @@ from transformer_jax.config import DataConfig
 from transformer_jax.data import documents, labelled, packing, token_cache, workers
 from transformer_jax.data.documents import DocumentBlocks
 from transformer_jax.data.packing import FEATURES
-from transformer_jax.data.tokenizer import SPM_FILE, WORD_FILE, Tokenizers, train_tokenizers
+from transformer_jax.data.tokenizer import HF_FILE, SPM_FILE, WORD_FILE, Tokenizers, train_tokenizers
 from transformer_jax.errors import UserError
 
 
@@ -64,19 +64,20 @@ def _split_dir(split: str) -> str:
   return re.sub(r"[^\w.-]+", "_", split) + "-" + hashlib.sha1(split.encode()).hexdigest()[:6]
 
 
-def tokenizers_for(cfg: DataConfig, text, workdir: Path, tokenizer_from: Path | None = None,
+def tokenizers_for(cfg: DataConfig, text, workdir: Path, tokenizer_from=None,
                    fit=None) -> Tokenizers:
-  """The workdir's tokenizers; else those of `tokenizer_from` (the run a fine-tuning run starts
-  from), copied in; else the dataset cache's (copied in); else fitted (`fit(cfg, text)`; by
-  default on a sample of at most `tokenizer_sample` training pairs spread evenly over the
-  split), and saved in both."""
+  """The workdir's tokenizers; else those of `tokenizer_from` (what a fine-tuning run starts
+  from: a workdir or a Hugging Face checkpoint, with `path` and `tokenizers()`), copied in;
+  else the dataset cache's (copied in); else fitted (`fit(cfg, text)`; by default on a sample
+  of at most `tokenizer_sample` training pairs spread evenly over the split), and saved in
+  both."""
   tokenizers = Tokenizers.load(workdir)
   if tokenizers is not None:
     logging.info("Reusing the tokenizer saved in %s", workdir)
     return tokenizers
   if tokenizer_from is not None:
-    tokenizers = Tokenizers.load(tokenizer_from)
-    logging.info("Using the tokenizer of %s (the run this one starts from)", tokenizer_from)
+    tokenizers = tokenizer_from.tokenizers()
+    logging.info("Using the tokenizer of %s (what this run starts from)", tokenizer_from.path)
     tokenizers.save(workdir)
     return tokenizers
   # Keyed by what it is fitted on: the source (cache_root), the split, the sample, the kind.
@@ -109,14 +110,16 @@ def _fit_on_pairs(cfg: DataConfig, text) -> Tokenizers:
 
 
 def _tokenizer_files(workdir: Path) -> list[Path]:
-  return [p for p in (workdir / SPM_FILE, workdir / WORD_FILE) if p.exists()]
+  return [p for p in (workdir / SPM_FILE, workdir / WORD_FILE, workdir / HF_FILE)
+          if p.exists()]
 
 
 def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0,
             is_first_host: bool = True, wait_for_first_host=lambda: None,
-            tokenizer_from: Path | None = None) -> Prepared:
+            tokenizer_from=None) -> Prepared:
   """Prepares the dataset, tokenizer and token caches; returns them opened. `tokenizer_from`:
-  a workdir whose tokenizer a new run takes (fine-tuning).
+  what a fine-tuning run starts from, whose tokenizer it takes
+  (`tokenizers_for`).
 
   With several hosts, the first does the work and the others read the result once
   `wait_for_first_host()` returns (workdir and cache on a shared filesystem).
@@ -154,7 +157,7 @@ def prepare(cfg: DataConfig, workdir: str | Path, *, num_bleu_sentences: int = 0
 
 def prepare_documents(cfg: DataConfig, workdir: str | Path, *, is_first_host: bool = True,
                       wait_for_first_host=lambda: None,
-                      tokenizer_from: Path | None = None) -> Prepared:
+                      tokenizer_from=None) -> Prepared:
   """`prepare` for a corpus of documents: the dataset, a lossless SentencePiece fitted
   on the training documents' lines, and a token cache of each split (one record a document)."""
   from transformer_jax.data import sources  # tfds loads here, not on import.
@@ -191,7 +194,7 @@ class LabelsError(UserError, ValueError):
 
 
 def prepare_labelled(cfg: DataConfig, workdir: str | Path, *, is_first_host: bool = True,
-                     wait_for_first_host=lambda: None, tokenizer_from: Path | None = None,
+                     wait_for_first_host=lambda: None, tokenizer_from=None,
                      trained_labels: tuple[str, ...] = ()) -> Prepared:
   """`prepare_documents` for labelled texts (a classifier's corpus): each text one record of
   the token caches, and its label's id among the training split's labels, sorted by name (the

@@ -1,6 +1,7 @@
-"""Tokenizers: a joint SentencePiece model, or d2l's word-level vocabularies.
+"""Tokenizers: a joint SentencePiece model, d2l's word-level vocabularies, or a Hugging Face
+checkpoint's own tokenizer (for a run that starts from the checkpoint).
 
-Both use the same special ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>. A pair of tokenizers
+All use the same special ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>. A pair of tokenizers
 (source, target) is saved into the workdir so that decoding uses the ones training used.
 """
 
@@ -14,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Iterable, NamedTuple, Protocol
 
+import numpy as np
 import sentencepiece as spm
 
 from transformer_jax.errors import UserError
@@ -22,6 +24,8 @@ PAD, BOS, EOS, UNK = 0, 1, 2, 3
 RESERVED = ("<pad>", "<bos>", "<eos>", "<unk>")
 SPM_FILE = "tokenizer.model"
 WORD_FILE = "vocab.json"
+HF_FILE = "tokenizer.huggingface.json"  # A checkpoint's tokenizer.json and its id table.
+NEW = -1  # In HuggingFaceTokenizer.ids: a token the checkpoint has no row for.
 
 
 class Tokenizer(Protocol):
@@ -138,6 +142,162 @@ class WordVocab:
     return list(self.tokens)
 
 
+# A Hugging Face checkpoint's own tokenizer (its tokenizer.json), in this project's ids.
+#
+# Every part of this project reads <pad> as id 0, <bos> 1, <eos> 2 and <unk> 3, and a masked
+# language model's mask as the id after the pieces (models/build.py). A checkpoint puts its
+# special tokens elsewhere (BERT: [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103; GPT-2:
+# <|endoftext|> 50256 and nothing else), so its ids are renumbered once, on import, and every
+# table indexed by token id (the embeddings, BERT's output bias) is permuted the same way
+# (models/huggingface.py):
+#
+#   ids 0-3   the checkpoint's pad, start, end and unknown tokens (BERT's [CLS] starts a text and
+#             [SEP] ends it; GPT-2's <|endoftext|> ends a document); a role the checkpoint has no
+#             token of, or one its token already holds (GPT-2's start and end are one token), is a
+#             new id of its own (`NEW`);
+#   4 ...     the checkpoint's other tokens in their order;
+#   last      its mask token, for a masked language model.
+#
+# `ids[i]` is the checkpoint's id behind our id i (NEW for a new one). The `tokenizers` library
+# does the text work; nothing here needs transformers or torch.
+
+
+class HuggingFaceTokenizer:
+  """A checkpoint's tokenizer.json with its ids renumbered to this project's (module doc)."""
+
+  def __init__(self, tokenizer_json: str, ids: list[int], mask: int | None = None):
+    from tokenizers import Tokenizer
+    self.tokenizer_json, self.ids, self.mask = tokenizer_json, list(ids), mask
+    self._tok = Tokenizer.from_str(tokenizer_json)
+    self.vocab_size = len(self.ids)
+    size = max(max(self.ids), -1 if mask is None else mask) + 1
+    self._ours = np.full(size, UNK, np.int64)  # The checkpoint's id -> ours.
+    known = np.asarray(self.ids)
+    self._ours[known[known >= 0]] = np.flatnonzero(known >= 0)
+    if mask is not None:  # A text's literal mask token reads as the mask id.
+      self._ours[mask] = self.vocab_size
+    self._hf = known
+
+  def __reduce__(self):  # Pickled for grain worker processes.
+    return HuggingFaceTokenizer, (self.tokenizer_json, self.ids, self.mask)
+
+  @classmethod
+  def from_checkpoint(cls, path: Path, config: dict, masked: bool) -> "HuggingFaceTokenizer":
+    """The tokenizer of the checkpoint directory `path` (its tokenizer.json, the special tokens
+    named in tokenizer_config.json / special_tokens_map.json, else the ids in its `config`);
+    `masked`: a masked language model, whose mask token takes the last id."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+      raise TokenizerError(
+          f"{path} holds no tokenizer.json (a fast tokenizer's file): save the tokenizer there "
+          "with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(DIR)")
+    from tokenizers import Tokenizer
+    text = file.read_text()
+    try:
+      tok = Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises its own exception types.
+      raise TokenizerError(f"{file} is not a tokenizers file ({e})") from None
+    names = _special_names(path)
+    def token_id(key: str, config_key: str | None = None) -> int | None:
+      found = tok.token_to_id(names[key]) if key in names else None
+      return config.get(config_key) if found is None and config_key else found
+    first = lambda *found: next((i for i in found if i is not None), None)
+    role_ids = {"pad": token_id("pad_token", "pad_token_id"),
+                "bos": first(token_id("cls_token"), token_id("bos_token", "bos_token_id")),
+                "eos": first(token_id("sep_token"), token_id("eos_token", "eos_token_id")),
+                "unk": token_id("unk_token")}
+    if role_ids["eos"] is None:
+      raise TokenizerError(
+          f"{path}: its tokenizer names no end token (sep_token or eos_token in "
+          "tokenizer_config.json, eos_token_id in config.json); a text's end needs one")
+    mask = token_id("mask_token") if masked else None
+    if masked and mask is None:
+      raise TokenizerError(
+          f"{path}: its tokenizer names no mask_token; a masked language model reads one")
+    ids, taken = [], {mask}
+    for role in ("pad", "bos", "eos", "unk"):  # Our ids 0-3.
+      hf = role_ids[role]
+      ids.append(NEW if hf is None or hf in taken else hf)
+      taken.add(hf)
+    # eos before bos: GPT-2's one token ends documents here; <bos> is then a new id.
+    if role_ids["bos"] == role_ids["eos"]:
+      ids[1], ids[2] = NEW, role_ids["eos"]
+    count = tok.get_vocab_size(with_added_tokens=True)
+    ids += [i for i in range(count) if i not in taken]
+    return cls(text, ids, mask)
+
+  @property
+  def new_rows(self) -> dict[int, int | None]:
+    """Our ids with no row of their own in the checkpoint -> the checkpoint id whose row they
+    start from (<bos> from the end token where one token was both), or None (the mean row)."""
+    same = self.ids[2]  # <eos>'s: GPT-2's document separator, which also starts one.
+    return {i: (same if i == 1 else None) for i, hf in enumerate(self.ids) if hf == NEW}
+
+  def encode(self, texts):
+    out = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    return [self._ours[np.asarray(e.ids, np.int64)].tolist() for e in out]
+
+  def decode(self, ids):
+    hf = [int(self._hf[i]) for i in ids if UNK <= i < self.vocab_size and self._hf[i] >= 0]
+    return self._tok.decode(hf, skip_special_tokens=True)
+
+  def pieces(self) -> list[str]:
+    return [RESERVED[i] if hf == NEW else self._tok.id_to_token(hf)
+            for i, hf in enumerate(self.ids)]
+
+  def characters(self) -> list[int]:
+    """The characters of text each id stands for (SentencePiece.characters): a
+    byte-level token counts the bytes that start a UTF-8 character; another, its text."""
+    decoder = json.loads(self.tokenizer_json).get("decoder") or {}
+    to_byte = _byte_level_alphabet() if decoder.get("type") == "ByteLevel" else None
+    def count(i: int, hf: int) -> int:
+      if i < UNK or hf == NEW:
+        return 0
+      if i == UNK:
+        return 1
+      token = self._tok.id_to_token(hf)
+      if to_byte is None or any(ch not in to_byte for ch in token):
+        return len(self._tok.decode([hf]))
+      return sum(1 for ch in token if not 0x80 <= to_byte[ch] < 0xC0)
+    return [count(i, hf) for i, hf in enumerate(self.ids)]
+
+  def serialized(self) -> bytes:
+    return json.dumps({"tokenizer": json.loads(self.tokenizer_json), "ids": self.ids,
+                       "mask": self.mask}).encode()
+
+  @classmethod
+  def deserialized(cls, payload: bytes) -> "HuggingFaceTokenizer":
+    saved = json.loads(payload)
+    return cls(json.dumps(saved["tokenizer"]), saved["ids"], saved["mask"])
+
+
+def _special_names(path: Path) -> dict[str, str]:
+  """Special-token names (pad_token, cls_token, ...) from the checkpoint's tokenizer files;
+  tokenizer_config.json's win. A name may be written as {"content": NAME}."""
+  names = {}
+  for file in ("special_tokens_map.json", "tokenizer_config.json"):
+    if (path / file).is_file():
+      try:
+        saved = json.loads((path / file).read_text())
+      except ValueError as e:
+        raise TokenizerError(f"{path / file} is not JSON ({e})") from None
+      for key, value in saved.items():
+        if key.endswith("_token") and value:
+          names[key] = value["content"] if isinstance(value, dict) else value
+  return names
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+  """Byte-level BPE's character for each byte -> the byte: printable Latin-1 bytes stand for
+  themselves, the other 68 for the characters from U+0100 on, in byte order (GPT-2's scheme)."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+               *range(ord("\xae"), ord("\xff") + 1)]
+  rest = [b for b in range(256) if b not in printable]
+  chars = {chr(b): b for b in printable}
+  chars.update({chr(256 + n): b for n, b in enumerate(rest)})
+  return chars
+
+
 class Tokenizers(NamedTuple):
   src: Tokenizer
   tgt: Tokenizer
@@ -149,6 +309,8 @@ class Tokenizers(NamedTuple):
 
   def _serialized(self) -> tuple[str, bytes]:
     """(file name, bytes) as a workdir holds them."""
+    if isinstance(self.src, HuggingFaceTokenizer):
+      return HF_FILE, self.src.serialized()
     if isinstance(self.src, SentencePiece):
       return SPM_FILE, self.src.model_proto
     return WORD_FILE, json.dumps({"src": self.src.tokens, "tgt": self.tgt.tokens}).encode()
@@ -169,14 +331,17 @@ class Tokenizers(NamedTuple):
     """The tokenizers saved in `workdir`, or None if it holds none."""
     workdir = Path(workdir)
     try:
+      if (workdir / HF_FILE).exists():
+        tok = HuggingFaceTokenizer.deserialized((workdir / HF_FILE).read_bytes())
+        return Tokenizers(tok, tok)
       if (workdir / SPM_FILE).exists():
         sp = SentencePiece((workdir / SPM_FILE).read_bytes())
         return Tokenizers(sp, sp)
       if (workdir / WORD_FILE).exists():
         vocab = json.loads((workdir / WORD_FILE).read_text())
         return Tokenizers(WordVocab(vocab["src"]), WordVocab(vocab["tgt"]))
-    except (RuntimeError, ValueError, KeyError, TypeError, OSError) as e:
-      name = SPM_FILE if (workdir / SPM_FILE).exists() else WORD_FILE
+    except Exception as e:  # sentencepiece, json and tokenizers each raise their own.
+      name = next(n for n in (HF_FILE, SPM_FILE, WORD_FILE) if (workdir / n).exists())
       raise TokenizerError(f"{workdir / name} is damaged or empty ({type(e).__name__}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
                            "delete it to fit a new tokenizer") from None
@@ -184,7 +349,7 @@ class Tokenizers(NamedTuple):
 
 
 class TokenizerError(UserError, ValueError):
-  """A saved tokenizer file that cannot be loaded."""
+  """A saved tokenizer file (or a Hugging Face checkpoint's) that cannot be loaded."""
 
 
 def train_tokenizers(pairs: list[tuple[str, str]], kind: str, vocab_size: int) -> Tokenizers:
@@ -194,7 +359,7 @@ def train_tokenizers(pairs: list[tuple[str, str]], kind: str, vocab_size: int) -
     return Tokenizers(sp, sp)
   if kind == "word":
     return Tokenizers(WordVocab.train(p[0] for p in pairs), WordVocab.train(p[1] for p in pairs))
-  raise ValueError(f"data.tokenizer must be 'sentencepiece' or 'word', got {kind!r}")
+  raise ValueError(f"data.tokenizer must be 'sentencepiece' or 'word' to fit, got {kind!r}")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -68,3 +68,17 @@ def layer_params(params, prefix: str, count: int) -> list[dict]:
     stacked = params[f"{prefix}_stack"]["layers"]["block"]
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
   return [params[f"{prefix}_{i}"] for i in range(count)]
+
+
+def scanned_like(params: dict, template) -> dict:
+  """`params` named as an unscanned model's (encoder_0, ...), in `template`'s layout: where it
+  holds a scanned stack, the layers stacked into its [layers, ...] arrays (`layer_params`
+  backwards)."""
+  params = dict(params)
+  for prefix in ("encoder", "decoder"):
+    if f"{prefix}_stack" in template:
+      count = sum(1 for name in params if name.startswith(f"{prefix}_") and name[-1].isdigit())
+      layers = [params.pop(f"{prefix}_{i}") for i in range(count)]
+      params[f"{prefix}_stack"] = {"layers": {"block": jax.tree.map(
+          lambda *x: jnp.stack(x), *layers)}}
+  return params

@@ -263,8 +263,11 @@ class MultiHeadAttention(nn.Module):
 
 
 def activation(cfg: TransformerConfig):
-  """The FFN's nonlinearity: ReLU, or GELU in its exact (erf) form, as BERT has it."""
-  return nn.relu if cfg.activation == "relu" else functools.partial(nn.gelu, approximate=False)
+  """The FFN's nonlinearity: ReLU, GELU in its exact (erf) form as BERT has it, or GELU's tanh
+  approximation as GPT-2 has it."""
+  if cfg.activation == "relu":
+    return nn.relu
+  return functools.partial(nn.gelu, approximate=cfg.activation == "gelu_tanh")
 
 
 class FeedForward(nn.Module):

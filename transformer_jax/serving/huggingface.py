@@ -48,11 +48,12 @@ from absl import logging
 
 from transformer_jax import fs, sharding
 from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK, SentencePiece
-from transformer_jax.models import build, trained
+from transformer_jax.models import build, huggingface, trained
 from transformer_jax.models.transformer import sinusoidal_positions
 from transformer_jax.workdir import Workdir
 
 MASK_TOKEN = "[MASK]"
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}  # model.activation's.
 MARIAN_LAYER_NORM_EPS = 1e-5  # transformers' Marian layers take torch's default.
 
 
@@ -61,6 +62,10 @@ def refusal(workdir: str | Path) -> str | None:
   run = Workdir(workdir)
   kind, config = run.model_kind(), run.load_config()
   m = config.model
+  if config.data.tokenizer == "huggingface":
+    return ("it started from a Hugging Face checkpoint and reads that tokenizer, renumbered "
+            "(data.tokenizer='huggingface'); the export builds its tokenizer from a "
+            "SentencePiece model")
   if config.data.tokenizer != "sentencepiece":
     return "it uses word vocabularies; the export builds its tokenizer from a SentencePiece model"
   if kind == "encoder_decoder":
@@ -133,7 +138,8 @@ def _gpt2(cfg, params) -> tuple[dict, dict]:
   config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": cfg.tgt_vocab_size, "n_positions": cfg.max_len, "n_embd": d,
             "n_layer": cfg.num_decoder_layers, "n_head": cfg.num_heads, "n_inner": cfg.ffn_dim,
-            "activation_function": cfg.activation, "layer_norm_epsilon": cfg.layer_norm_eps,
+            "activation_function": ACTIVATIONS[cfg.activation],
+            "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout_rate, "embd_pdrop": cfg.dropout_rate,
             "attn_pdrop": 0.0, "tie_word_embeddings": True}
   return w, config
@@ -163,7 +169,7 @@ def _bert(cfg, params, labels: tuple[str, ...]) -> tuple[dict, dict]:
         layer["ffn_sublayer"]["norm"])
   config = {"model_type": "bert", "vocab_size": cfg.tgt_vocab_size, "hidden_size": d,
             "num_hidden_layers": cfg.num_encoder_layers, "num_attention_heads": cfg.num_heads,
-            "intermediate_size": cfg.ffn_dim, "hidden_act": cfg.activation,
+            "intermediate_size": cfg.ffn_dim, "hidden_act": ACTIVATIONS[cfg.activation],
             "hidden_dropout_prob": cfg.dropout_rate, "attention_probs_dropout_prob": 0.0,
             "max_position_embeddings": cfg.max_len, "type_vocab_size": 1,
             "layer_norm_eps": cfg.layer_norm_eps, "pad_token_id": PAD,
@@ -234,7 +240,7 @@ def _marian(cfg, params) -> tuple[dict, dict]:
             "encoder_layers": cfg.num_encoder_layers, "decoder_layers": cfg.num_decoder_layers,
             "encoder_attention_heads": cfg.num_heads, "decoder_attention_heads": cfg.num_heads,
             "encoder_ffn_dim": cfg.ffn_dim, "decoder_ffn_dim": cfg.ffn_dim,
-            "activation_function": cfg.activation, "dropout": cfg.dropout_rate,
+            "activation_function": ACTIVATIONS[cfg.activation], "dropout": cfg.dropout_rate,
             "attention_dropout": 0.0, "activation_dropout": 0.0, "scale_embedding": True,
             "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
             "is_encoder_decoder": True, "decoder_start_token_id": BOS,
@@ -320,7 +326,7 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
   from safetensors.numpy import save_file
   with fs.new_directory(output) as partial:
     save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (partial / huggingface.CONFIG).write_text(json.dumps(hf_config, indent=2))
     (partial / "tokenizer.json").write_text(tokenizer_json(
         tokenizers.tgt, mask=kind == "encoder_only",
         prepend_bos=kind in ("decoder_only", "classifier"),

@@ -8,6 +8,10 @@ language model of the same shape: it takes the encoder, and its head starts afre
 parameters taken are the ones the other run decodes with: its moving average where it kept one.
 Once the new run has a checkpoint of its own, it resumes from that, and `init_from` is not read
 again.
+
+`init_from` may also name a local Hugging Face checkpoint of GPT-2 or BERT (models/huggingface.py):
+the run then takes that checkpoint's tokenizer (data.tokenizer='huggingface') and must hold its
+model (the fields `Checkpoint.model_fields` names; data.max_len at most its positions).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from absl import logging
 
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
+from transformer_jax.models import build, huggingface, trained
 from transformer_jax.models.trained import open_run, read_params
 from transformer_jax.workdir import Workdir
 
@@ -30,15 +35,22 @@ class InitFromError(UserError, ValueError):
   """run.init_from names a run this one cannot start from."""
 
 
-def check_source(cfg: config_lib.Config, init_from: str) -> Workdir:
-  """The workdir to start from, checked before anything is written: a trained run (config,
-  tokenizer, checkpoints) of the same model. Raises InitFromError naming the first problem."""
+def check_source(cfg: config_lib.Config, init_from: str) -> Workdir | huggingface.Checkpoint:
+  """The workdir or Hugging Face checkpoint to start from, checked before anything is written:
+  a trained run (config, tokenizer, checkpoints) or a checkpoint of the same model. Raises
+  InitFromError (or huggingface.CheckpointError) naming the first problem."""
   source = Workdir(init_from)
   where = f"run.init_from={init_from!r}"
   if not source.path.is_dir():
     raise InitFromError(f"{where} is not a directory")
+  if huggingface.is_checkpoint(source.path):
+    return _check_checkpoint(cfg, huggingface.Checkpoint.open(source.path), where)
+  if cfg.data.tokenizer == "huggingface":
+    raise InitFromError(f"{where} is not a Hugging Face checkpoint (a config.json naming its "
+                        "model_type), whose tokenizer data.tokenizer='huggingface' takes")
   if not source.config_file.is_file():
-    raise InitFromError(f"{where} holds no config.json: not a training workdir")
+    raise InitFromError(f"{where} holds no config.json: not a training workdir or a Hugging "
+                        "Face checkpoint")
   saved = source.load_config()
   if not source.checkpoint_steps():
     raise InitFromError(f"{where} holds no checkpoint to start from")
@@ -57,15 +69,45 @@ def check_source(cfg: config_lib.Config, init_from: str) -> Workdir:
   return source
 
 
-def start_from(state, source: Workdir, model, mesh, shardings):
+def _check_checkpoint(cfg: config_lib.Config, checkpoint: huggingface.Checkpoint,
+                      where: str) -> huggingface.Checkpoint:
+  """`checkpoint` if this run can start from it: its tokenizer, its model, its positions."""
+  if cfg.data.tokenizer != "huggingface":
+    raise InitFromError(f"{where} is a Hugging Face checkpoint: the run reads its tokenizer "
+                        f"(set data.tokenizer='huggingface', not {cfg.data.tokenizer!r})")
+  differences = [(f"model.{k}", getattr(cfg.model, k), theirs)
+                 for k, theirs in checkpoint.model_fields().items()
+                 if getattr(cfg.model, k) != theirs]
+  if differences:
+    raise InitFromError(f"{where} is another model ({checkpoint.architecture}): " + "; ".join(
+        f"{name} is {ours!r} here and {theirs!r} there" for name, ours, theirs in differences))
+  if cfg.data.max_len > checkpoint.max_len:
+    raise InitFromError(f"{where} holds {checkpoint.max_len} positions; data.max_len="
+                        f"{cfg.data.max_len} needs as many")
+  # Its tokenizer and every weight read and mapped once here (each raising where it cannot be),
+  # so that a tensor of another shape than its config.json says stops the run before it writes.
+  tokenizer = checkpoint.tokenizers().tgt
+  checkpoint.params(build.model_config(cfg.model, tokenizer.vocab_size, tokenizer.vocab_size,
+                                       max_len=cfg.data.max_len), tokenizer)
+  return checkpoint
+
+
+def start_from(state, source: Workdir | huggingface.Checkpoint, model, mesh, shardings):
   """`state` (a fresh one, step 0) with the parameters of `source`'s newest checkpoint that
   verifies (its moving average where it kept one); its moving average, where this run keeps
   one, starts from them too. The model's parts that `source` lacks (a classifier's head, when
   it is a masked language model) keep their fresh initialization, and the parts of `source`
   this model lacks (the masked-LM head) are left out, both logged."""
-  saved = source.load_config()
-  key = "ema_params" if saved.step.ema_decay > 0 else "params"
-  step, taken = read_params(source, open_run(source).model, mesh, key)
+  if isinstance(source, huggingface.Checkpoint):
+    taken = source.params(model.cfg, source.tokenizers().tgt)
+    taken = trained.scanned_like(taken, state.params)
+    origin = f"the weights of {source.path} ({source.architecture})"
+  else:
+    saved = source.load_config()
+    key = "ema_params" if saved.step.ema_decay > 0 else "params"
+    step, taken = read_params(source, open_run(source).model, mesh, key)
+    origin = (f"the {'moving average of the ' if key == 'ema_params' else ''}parameters of "
+              f"step {step} of {source.path}")
   params = dict(state.params)
   for name in params.keys() & taken.keys():
     ours, theirs = (jax.tree.map(lambda x: (x.shape, x.dtype), t)
@@ -81,7 +123,5 @@ def start_from(state, source: Workdir, model, mesh, shardings):
                  ", ".join(left) or "none")
   params = jax.device_put(params, shardings.params)
   ema = None if state.ema_params is None else jax.device_put(params, shardings.ema_params)
-  logging.info("Starting from the %s of step %d of %s, with a fresh optimizer state",
-               "parameters' moving average" if key == "ema_params" else "parameters", step,
-               source.path)
+  logging.info("Starting from %s, with a fresh optimizer state", origin)
   return state.replace(params=params, ema_params=ema)

@@ -54,7 +54,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   primary, hosts = jax.process_index() == 0, jax.process_count()
 
   first_host = dict(
-      is_first_host=primary, tokenizer_from=source and source.path,
+      is_first_host=primary, tokenizer_from=source,
       wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
   if classifier:  # Its labels kept in the workdir, in the order of its outputs.
     data = pipeline.prepare_labelled(data_cfg, workdir, trained_labels=run_dir.labels(),

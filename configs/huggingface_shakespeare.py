@@ -1,0 +1,36 @@
+"""Fine-tunes a local Hugging Face GPT-2 or BERT checkpoint on Shakespeare's 42 works: the model
+section is read from the checkpoint's config.json, and the run takes its weights and tokenizer.
+
+Command (CHECKPOINT: a directory that save_pretrained wrote, with model.safetensors and the
+tokenizer's tokenizer.json):
+  python train.py --config configs/huggingface_shakespeare.py:CHECKPOINT \
+      --workdir runs/gpt2_shakespeare --config.data.data_dir ../shared/data/shakespeare
+A GPT2LMHeadModel continues as a language model (the works' documents, bits per character), a
+BertForMaskedLM as a masked language model (masked-token accuracy), both on the splits of
+configs/lm_shakespeare.py, rows of up to 128 tokens, a learning rate of 1e-4 after 100 warm-up
+steps. A model field set on the command line that disagrees with the checkpoint is refused,
+naming the field. `configs/huggingface_shakespeare.py:CHECKPOINT,smoke` runs a few steps.
+"""
+
+from transformer_jax.config import base_config, check, smoke
+from transformer_jax.models.huggingface import Checkpoint
+
+
+def get_config(arg=None):
+  path, _, variant = (arg or "").rpartition(",") if (arg or "").endswith(",smoke") else (
+      arg or "", "", "")
+  check(bool(path), "configs/huggingface_shakespeare.py needs the checkpoint's directory: "
+        "configs/huggingface_shakespeare.py:CHECKPOINT")
+  checkpoint = Checkpoint.open(path)
+  c = base_config()
+  c.data.update(dataset="shakespeare", tokenizer="huggingface",
+                max_len=min(128, checkpoint.max_len), batch_size=32)
+  c.model.update(dropout_rate=0.1, **checkpoint.model_fields())
+  c.optimizer.update(schedule="cosine", learning_rate=1e-4, warmup_steps=100, weight_decay=0.01)
+  c.step.label_smoothing = 0.0
+  c.run.update(num_steps=1000, checkpoint_every=250, init_from=path)
+  c.eval.update(every=250, bleu_sentences=0)
+  if variant == "smoke":  # The shrunk run, with the checkpoint's model as it is.
+    c = smoke(c)
+    c.model.update(**checkpoint.model_fields())
+  return c
