@@ -117,8 +117,15 @@ def test_a_checkpoint_made_by_transformers_gives_its_ids_and_logits_here(checkpo
   ours = tok.encode(lines)
   assert [[tok.ids[i] for i in row] for row in ours] == theirs(
       lines, add_special_tokens=False).input_ids
-  if kind == "gpt2":  # Byte-level BPE is lossless.
+  if kind == "gpt2":  # Byte-level BPE is lossless, and bits per character count every one.
     assert [tok.decode(row) for row in ours[:200]] == lines[:200]
+    characters = np.asarray(tok.characters())
+    # The works are ASCII: some lines of 2-, 3- and 4-byte characters besides.
+    wide = ["Ros\u00e9 \u2014 na\u00efve \u00e6sthetics", "\u6625\u306f\u3042\u3051\u307c\u306e",
+            "\U0001F3AD \U0001F451"]
+    assert [int(characters[row].sum()) for row in ours + tok.encode(wide)] == [
+        len(line) for line in lines + wide]
+    assert [tok.decode(row) for row in tok.encode(wide)] == wide
   # The model run.init_from starts from: their logits on a batch with padding.
   model = build.build_model(build.model_config(cfg.model, tok.vocab_size, tok.vocab_size,
                                                max_len=cfg.data.max_len))
