@@ -150,6 +150,14 @@ def test_a_checkpoint_made_by_transformers_gives_its_ids_and_logits_here(checkpo
   assert np.max(np.abs(a[..., :len(columns)][..., known][real]
                        - b[..., columns[known]][real])) < 1e-4
   assert np.max(np.abs(b[real])) > 0.1  # Logits of some size: not zeros on both sides.
+  if kind == "gpt2":  # Layers scanned into one stack: the same model.
+    scanned = build.build_model(dataclasses.replace(model.cfg, scan_layers=True))
+    fresh, shardings = step_lib.create_train_state(
+        scanned, step_lib.make_optimizer(cfg.optimizer, 1), cfg.run.seed, mesh, cfg.data.max_len)
+    started = finetune.start_from(fresh, source, scanned, mesh, shardings).params
+    assert "decoder_stack" in started
+    assert np.max(np.abs(np.asarray(jax.jit(scanned.apply)(
+        {"params": started}, ids.astype(np.int32))) - a)) < 1e-5
   if kind == "bert":  # A classifier takes BERT's encoder; its head starts afresh.
     classifier = build.build_model(dataclasses.replace(model.cfg, num_labels=3))
     fresh, shardings = step_lib.create_train_state(
