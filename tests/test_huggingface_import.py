@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import DATA, ROOT
 from transformer_jax import config as config_lib, sharding
-from transformer_jax.data.tokenizer import BOS, EOS, HF_FILE, PAD
+from transformer_jax.data.tokenizer import BOS, EOS, HF_FILE, PAD, HuggingFaceTokenizer
 from transformer_jax.errors import UserError
 from transformer_jax.models import build, huggingface
 from transformer_jax.training import checks, finetune, steps as step_lib, trainer
@@ -106,6 +106,9 @@ def test_a_checkpoint_made_by_transformers_gives_its_ids_and_logits_here(checkpo
     end = theirs.convert_tokens_to_ids("<|endoftext|>")
     assert tok.ids[:4] == [-1, -1, end, -1] and end == len(theirs) - 1
     assert tok.pieces()[:4] == ["<pad>", "<bos>", "<|endoftext|>", "<unk>"]
+    # Padding with the end token (a common setting) leaves it one id, the end.
+    padded = HuggingFaceTokenizer.from_checkpoint(path, {"pad_token_id": end}, masked=False)
+    assert padded.ids == tok.ids
   else:
     assert tok.pieces()[:4] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]"]
     assert tok.ids[:4] == [0, 4, 5, 3] and tok.mask == 6

@@ -197,7 +197,8 @@ class Workdir:
   def tokenizers(self) -> Tokenizers:
     tokenizers = Tokenizers.load(self.path)
     if tokenizers is None:
-      raise WorkdirError(f"{self.path} holds no tokenizer (tokenizer.model or vocab.json)")
+      raise WorkdirError(f"{self.path} holds no tokenizer (tokenizer.model, vocab.json or "
+                         "tokenizer.huggingface.json)")
     return tokenizers
 
   def model_kind(self) -> str:

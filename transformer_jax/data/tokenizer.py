@@ -153,8 +153,8 @@ class WordVocab:
 #
 #   ids 0-3   the checkpoint's pad, start, end and unknown tokens (BERT's [CLS] starts a text and
 #             [SEP] ends it; GPT-2's <|endoftext|> ends a document); a role the checkpoint has no
-#             token of, or one its token already holds (GPT-2's start and end are one token), is a
-#             new id of its own (`NEW`);
+#             token of, or whose token holds another role already (GPT-2's one token is its
+#             start, end, unknown and often its padding), is a new id of its own (`NEW`);
 #   4 ...     the checkpoint's other tokens in their order;
 #   last      its mask token, for a masked language model.
 #
@@ -214,14 +214,13 @@ class HuggingFaceTokenizer:
     if masked and mask is None:
       raise TokenizerError(
           f"{path}: its tokenizer names no mask_token; a masked language model reads one")
-    ids, taken = [], {mask}
-    for role in ("pad", "bos", "eos", "unk"):  # Our ids 0-3.
-      hf = role_ids[role]
-      ids.append(NEW if hf is None or hf in taken else hf)
-      taken.add(hf)
-    # eos before bos: GPT-2's one token ends documents here; <bos> is then a new id.
-    if role_ids["bos"] == role_ids["eos"]:
-      ids[1], ids[2] = NEW, role_ids["eos"]
+    # A token in several roles takes the first of <eos>, <bos>, <unk>, <pad> (GPT-2's one
+    # token ends documents here, and often pads too); the other roles get new ids.
+    ids, taken = [NEW] * 4, {mask}
+    for slot, role in ((EOS, "eos"), (BOS, "bos"), (UNK, "unk"), (PAD, "pad")):
+      if role_ids[role] is not None and role_ids[role] not in taken:
+        ids[slot] = role_ids[role]
+        taken.add(role_ids[role])
     count = tok.get_vocab_size(with_added_tokens=True)
     ids += [i for i in range(count) if i not in taken]
     return cls(text, ids, mask)
@@ -229,9 +228,10 @@ class HuggingFaceTokenizer:
   @property
   def new_rows(self) -> dict[int, int | None]:
     """Our ids with no row of their own in the checkpoint -> the checkpoint id whose row they
-    start from (<bos> from the end token where one token was both), or None (the mean row)."""
-    same = self.ids[2]  # <eos>'s: GPT-2's document separator, which also starts one.
-    return {i: (same if i == 1 else None) for i, hf in enumerate(self.ids) if hf == NEW}
+    start from: a new <bos> the end token's (GPT-2's document separator, which also starts
+    one), the others None (the mean row)."""
+    return {i: (self.ids[EOS] if i == BOS else None) for i, hf in enumerate(self.ids)
+            if hf == NEW}
 
   def encode(self, texts):
     out = self._tok.encode_batch(list(texts), add_special_tokens=False)
