@@ -29,6 +29,8 @@ def pytest_configure(config):
   xdist workers it starts inherit its path), and used by the tests' own process from its first
   compilation on: a program that two workers, or a worker and a command the tests start,
   compile is compiled once a run. A path set beforehand is kept (and kept between runs)."""
+  if hasattr(config.option, "loadscopereorder"):  # xdist's order by number of tests: off.
+    config.option.loadscopereorder = False  # (LONGEST_FIRST, below.)
   if CACHE_ENV not in os.environ:
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="transformer_jax_tests_jax_cache_")
     config.stash[_MADE_CACHE] = True
@@ -36,6 +38,23 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# The test files that take longest (`.ci/run`'s durations on a 2-core CPU), longest first. xdist
+# hands each worker whole files (--dist loadfile) in the collection's order, kept as it is
+# below: the long files go out first and the last ones handed out are short, so the two workers
+# end together (xdist's own order, by number of tests, left one idle for a minute at the end).
+LONGEST_FIRST = ("test_aot.py", "test_serve.py", "test_slots.py", "test_multihost.py",
+                 "test_translate.py", "test_reliability.py", "test_benchmarks.py",
+                 "test_docs.py", "test_translator.py", "test_encoder_only.py", "test_sharding.py",
+                 "test_lm_training.py", "test_model.py", "test_export.py",
+                 "test_user_mistakes.py", "test_install.py", "test_step.py",
+                 "test_huggingface_import.py", "test_decode.py", "test_no_tensorflow.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: a file's own order.
 
 
 def pytest_unconfigure(config):
