@@ -197,6 +197,14 @@ def test_fine_tuning_a_checkpoint_runs_and_resumes_exactly(checkpoints, kind, tf
   assert [m["step"] for m in evals] == [2, 4]
   saved = json.loads((straight / "config.json").read_text())
   assert saved["data"]["tokenizer"] == "huggingface"
+  # Its tokenizer file lost: no tokenizer is fitted in its place, and the run says why.
+  (resumed / HF_FILE).write_text("{")
+  with pytest.raises(UserError, match=f"{HF_FILE} is damaged or empty .*; put back the copy"):
+    trainer.train_and_evaluate(c, str(resumed))
+  (resumed / HF_FILE).unlink()
+  with pytest.raises(UserError, match=f"holds no {HF_FILE}, the tokenizer of the Hugging Face "
+                     "checkpoint this run started from"):
+    trainer.train_and_evaluate(c, str(resumed))
   assert saved["model"]["family"] == ("decoder_only" if kind == "gpt2" else "encoder_only")
 
 

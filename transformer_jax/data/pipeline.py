@@ -75,6 +75,10 @@ def tokenizers_for(cfg: DataConfig, text, workdir: Path, tokenizer_from=None,
   if tokenizers is not None:
     logging.info("Reusing the tokenizer saved in %s", workdir)
     return tokenizers
+  if tokenizer_from is None and cfg.tokenizer == "huggingface":  # Never fitted here.
+    raise UserError(f"{workdir} holds no {HF_FILE}, the tokenizer of the Hugging Face "
+                    "checkpoint this run started from (run.init_from is read only before the "
+                    "run's first checkpoint): put the file back, or start a new workdir")
   if tokenizer_from is not None:
     tokenizers = tokenizer_from.tokenizers()
     logging.info("Using the tokenizer of %s (what this run starts from)", tokenizer_from.path)

@@ -342,9 +342,11 @@ class Tokenizers(NamedTuple):
         return Tokenizers(WordVocab(vocab["src"]), WordVocab(vocab["tgt"]))
     except Exception as e:  # sentencepiece, json and tokenizers each raise their own.
       name = next(n for n in (HF_FILE, SPM_FILE, WORD_FILE) if (workdir / n).exists())
+      remedy = ("put back the copy a new run from the checkpoint (run.init_from) writes"
+                if name == HF_FILE else "delete it to fit a new tokenizer")
       raise TokenizerError(f"{workdir / name} is damaged or empty ({type(e).__name__}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-                           "delete it to fit a new tokenizer") from None
+                           f"{remedy}") from None
     return None
 
 
