@@ -197,6 +197,9 @@ def test_fine_tuning_a_checkpoint_runs_and_resumes_exactly(checkpoints, kind, tf
   assert [m["step"] for m in evals] == [2, 4]
   saved = json.loads((straight / "config.json").read_text())
   assert saved["data"]["tokenizer"] == "huggingface"
+  # Not exported back: the export writes a SentencePiece tokenizer (one line, in export.py).
+  from transformer_jax.serving import huggingface as export_lib
+  assert export_lib.refusal(straight).startswith("it started from a Hugging Face checkpoint")
   # Its tokenizer file lost: no tokenizer is fitted in its place, and the run says why.
   (resumed / HF_FILE).write_text("{")
   with pytest.raises(UserError, match=f"{HF_FILE} is damaged or empty .*; put back the copy"):
