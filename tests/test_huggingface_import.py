@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import DATA, ROOT
 from transformer_jax import config as config_lib, sharding
-from transformer_jax.data.tokenizer import BOS, EOS, HF_FILE, PAD, HuggingFaceTokenizer
+from transformer_jax.data.tokenizer import BOS, EOS, HF_FILE, PAD, HuggingFaceTokenizer, Tokenizers
 from transformer_jax.errors import UserError
 from transformer_jax.models import build, huggingface
 from transformer_jax.training import checks, finetune, steps as step_lib, trainer
@@ -197,9 +197,33 @@ def test_fine_tuning_a_checkpoint_runs_and_resumes_exactly(checkpoints, kind, tf
   assert [m["step"] for m in evals] == [2, 4]
   saved = json.loads((straight / "config.json").read_text())
   assert saved["data"]["tokenizer"] == "huggingface"
-  # Not exported back: the export writes a SentencePiece tokenizer (one line, in export.py).
-  from transformer_jax.serving import huggingface as export_lib
-  assert export_lib.refusal(straight).startswith("it started from a Hugging Face checkpoint")
+  # Exported back: the checkpoint's ids and tokenizer, and the fine-tuned model's logits.
+  from transformers import AutoTokenizer
+  from tests import exported
+  out = tmp_path / "exported"
+  exported.export(straight, out)
+  tok = Tokenizers.load(straight).tgt
+  theirs = AutoTokenizer.from_pretrained(out)
+  lines = _lines("richard_ii")[40:46]
+  hf_rows = theirs(lines).input_ids
+  if kind == "gpt2":  # Its start token is one more special token, put first.
+    assert theirs.convert_ids_to_tokens(hf_rows[0][0]) == "<bos>"
+    assert len(theirs) == len(AutoTokenizer.from_pretrained(path)) + 1
+  else:
+    assert theirs.convert_ids_to_tokens([hf_rows[0][0], hf_rows[0][-1]]) == ["[CLS]", "[SEP]"]
+  rows = [[BOS] + ids + ([EOS] if kind == "bert" else []) for ids in tok.encode(lines)]
+  back = {hf: ours for ours, hf in enumerate(tok.ids) if hf >= 0}
+  assert [[back.get(i, BOS) for i in row] for row in hf_rows] == rows
+  ids, mask = exported.padded(rows)
+  hf_ids, _ = exported.padded(hf_rows)
+  real = mask.astype(bool)
+  a = exported.our_outputs(straight, ids)
+  b = exported.their_outputs(out, "GPT2LMHeadModel" if kind == "gpt2" else "BertForMaskedLM",
+                             hf_ids, mask)
+  columns = np.asarray(tok.ids + ([tok.mask] if tok.mask else []))
+  known = columns >= 0
+  assert np.max(np.abs(a[..., :len(columns)][..., known][real]
+                       - b[..., columns[known]][real])) < 1e-4
   # Its tokenizer file lost: no tokenizer is fitted in its place, and the run says why.
   (resumed / HF_FILE).write_text("{")
   with pytest.raises(UserError, match=f"{HF_FILE} is damaged or empty .*; put back the copy"):

@@ -32,6 +32,8 @@ where this project's model reads one (language models, classifiers), <eos> after
 source. A generating model's generation_config.json keeps generate() from choosing what this
 project's decoders never choose: the padded vocabulary's ids (and <pad>, <bos>, <unk> for a
 language model).
+A run that started from a Hugging Face checkpoint (data.tokenizer='huggingface') goes back in
+that checkpoint's ids with its own tokenizer.json (`_in_checkpoint_ids`).
 
 Written with NumPy, safetensors and tokenizers only (pip install 'transformer_jax[huggingface]');
 loading the result takes `transformers` (in that extra) and torch.
@@ -47,7 +49,8 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import fs, sharding
-from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK, SentencePiece
+from transformer_jax.data.tokenizer import (BOS, EOS, NEW, PAD, UNK, HuggingFaceTokenizer,
+                                            SentencePiece)
 from transformer_jax.models import build, huggingface, trained
 from transformer_jax.models.transformer import sinusoidal_positions
 from transformer_jax.workdir import Workdir
@@ -62,11 +65,7 @@ def refusal(workdir: str | Path) -> str | None:
   run = Workdir(workdir)
   kind, config = run.model_kind(), run.load_config()
   m = config.model
-  if config.data.tokenizer == "huggingface":
-    return ("it started from a Hugging Face checkpoint and reads that tokenizer, renumbered "
-            "(data.tokenizer='huggingface'); the export builds its tokenizer from a "
-            "SentencePiece model")
-  if config.data.tokenizer != "sentencepiece":
+  if config.data.tokenizer == "word":
     return "it uses word vocabularies; the export builds its tokenizer from a SentencePiece model"
   if kind == "encoder_decoder":
     if m.pre_ln:
@@ -287,6 +286,55 @@ def tokenizer_json(sp: SentencePiece, mask: bool = False, prepend_bos: bool = Fa
   return tok.to_str()
 
 
+# The weights indexed by token id, as each export names them.
+VOCABULARY_TABLES = ("transformer.wte.weight", "bert.embeddings.word_embeddings.weight",
+                     "cls.predictions.bias")
+NEW_BOS = "<bos>"  # A run that renumbered a checkpoint with no start token of its own (GPT-2).
+
+
+def _in_checkpoint_ids(weights: dict, hf_config: dict, tok: HuggingFaceTokenizer, kind: str):
+  """A run that started from a Hugging Face checkpoint, exported in that checkpoint's ids and
+  with its tokenizer.json (data/tokenizer.py renumbered both on import): the token tables' rows
+  put back in its order, the ids this project added left out but a new <bos> (GPT-2's), which
+  is read before every text and so is kept as one more special token, after the others, that
+  the tokenizer puts first. Returns (weights, config, tokenizer.json, special tokens, ids)."""
+  from tokenizers import AddedToken, Tokenizer, processors
+  ours = np.asarray(tok.ids + ([tok.mask] if tok.mask is not None else []))
+  kept = np.flatnonzero(ours >= 0)  # Our ids that are the checkpoint's.
+  size = int(ours.max()) + 1
+  added = tok.ids[BOS] == NEW
+  for name in VOCABULARY_TABLES:
+    if name in weights:
+      table = weights[name]
+      out = np.zeros((size + added,) + table.shape[1:], table.dtype)
+      out[ours[kept]] = table[kept]
+      if added:
+        out[size] = table[BOS]
+      weights[name] = out
+  hf_config["vocab_size"] = size + added
+  text = Tokenizer.from_str(tok.tokenizer_json)
+  pieces = tok.pieces()
+  bos = size if added else tok.ids[BOS]
+  if added:
+    text.add_special_tokens([AddedToken(NEW_BOS, special=True, normalized=False)])
+    assert text.token_to_id(NEW_BOS) == size
+    pieces[BOS] = NEW_BOS
+  if kind in ("decoder_only", "classifier"):  # <bos> first, as this project reads a text.
+    text.post_processor = processors.TemplateProcessing(
+        single=f"{pieces[BOS]} $A", pair=f"{pieces[BOS]} $A $B",
+        special_tokens=[(pieces[BOS], bos)])
+  roles = {"bos": BOS, "eos": EOS, "unk": UNK, "pad": PAD}
+  special = {f"{role}_token": pieces[i] for role, i in roles.items()
+             if tok.ids[i] != NEW or (role == "bos" and added)}
+  if kind in ("encoder_only", "classifier"):  # BERT's names for its start and end.
+    special.update(cls_token=pieces[BOS], sep_token=pieces[EOS])
+  if tok.mask is not None:
+    special["mask_token"] = text.id_to_token(tok.mask)
+  ids = {"bos_token_id": bos, "eos_token_id": tok.ids[EOS],
+         "pad_token_id": tok.ids[PAD] if tok.ids[PAD] != NEW else tok.ids[EOS]}
+  return weights, hf_config, text.to_str(), special, ids
+
+
 def _normalizer_spec(sp: SentencePiece) -> dict:
   from sentencepiece import sentencepiece_model_pb2
   proto = sentencepiece_model_pb2.ModelProto.FromString(sp.model_proto).normalizer_spec
@@ -317,30 +365,37 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
                       cfg.layer_norm_eps)
   else:
     weights, hf_config = _bert(cfg, params, labels)
-  pieces = tokenizers.tgt.pieces()
-  hf_config.update(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
-  special = {"bos_token": pieces[BOS], "eos_token": pieces[EOS], "unk_token": pieces[UNK],
-             "pad_token": pieces[PAD]}
-  if kind == "encoder_only":
-    special["mask_token"] = MASK_TOKEN
+  tok = tokenizers.tgt
+  if isinstance(tok, HuggingFaceTokenizer):  # Back in the checkpoint's own ids.
+    weights, hf_config, text, special, ids = _in_checkpoint_ids(weights, hf_config, tok, kind)
+  else:
+    pieces = tok.pieces()
+    ids = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+    special = {"bos_token": pieces[BOS], "eos_token": pieces[EOS], "unk_token": pieces[UNK],
+               "pad_token": pieces[PAD]}
+    if kind == "encoder_only":
+      special["mask_token"] = MASK_TOKEN
+    text = tokenizer_json(tok, mask=kind == "encoder_only",
+                          prepend_bos=kind in ("decoder_only", "classifier"),
+                          append_eos=kind == "encoder_decoder")
+  hf_config.update(ids)
   from safetensors.numpy import save_file
   with fs.new_directory(output) as partial:
     save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
     (partial / huggingface.CONFIG).write_text(json.dumps(hf_config, indent=2))
-    (partial / "tokenizer.json").write_text(tokenizer_json(
-        tokenizers.tgt, mask=kind == "encoder_only",
-        prepend_bos=kind in ("decoder_only", "classifier"),
-        append_eos=kind == "encoder_decoder"))
+    (partial / "tokenizer.json").write_text(text)
     (partial / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_len,
          **special}, indent=2))
     (partial / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
     if kind in ("decoder_only", "encoder_decoder"):  # generate() chooses what ours may.
-      never = ([PAD, BOS, UNK] if kind == "decoder_only" else []) + list(
-          range(tokenizers.tgt.vocab_size, cfg.tgt_vocab_size))
+      if isinstance(tok, HuggingFaceTokenizer):
+        never = [ids["bos_token_id"]] if tok.ids[BOS] == NEW else []
+      else:
+        never = ([PAD, BOS, UNK] if kind == "decoder_only" else []) + list(
+            range(tok.vocab_size, cfg.tgt_vocab_size))
       start = {"decoder_start_token_id": BOS} if kind == "encoder_decoder" else {}
       (partial / "generation_config.json").write_text(json.dumps(
-          {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD, **start,
-           "suppress_tokens": never, "do_sample": False}, indent=2))
+          {**ids, **start, "suppress_tokens": never, "do_sample": False}, indent=2))
   logging.info("Exported step %d of %s to %s (%s)", step, workdir, output,
                hf_config["architectures"][0])
