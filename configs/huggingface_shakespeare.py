@@ -17,8 +17,7 @@ from transformer_jax.models.huggingface import Checkpoint
 
 
 def get_config(arg=None):
-  path, _, variant = (arg or "").rpartition(",") if (arg or "").endswith(",smoke") else (
-      arg or "", "", "")
+  path = (arg or "").removesuffix(",smoke")
   check(bool(path), "configs/huggingface_shakespeare.py needs the checkpoint's directory: "
         "configs/huggingface_shakespeare.py:CHECKPOINT")
   checkpoint = Checkpoint.open(path)
@@ -30,7 +29,7 @@ def get_config(arg=None):
   c.step.label_smoothing = 0.0
   c.run.update(num_steps=1000, checkpoint_every=250, init_from=path)
   c.eval.update(every=250, bleu_sentences=0)
-  if variant == "smoke":  # The shrunk run, with the checkpoint's model as it is.
+  if path != arg:  # The shrunk run, with the checkpoint's model as it is.
     c = smoke(c)
     c.model.update(**checkpoint.model_fields())
   return c

@@ -56,6 +56,33 @@ def their_outputs(out: Path, cls: str, ids: np.ndarray, mask: np.ndarray) -> np.
                  attention_mask=torch.from_numpy(mask)).logits.numpy()
 
 
+def logit_gap(workdir: Path, out: Path, cls: str, rows: list[list[int]],
+              their_rows: list[list[int]] | None = None, columns=None) -> float:
+  """The largest |difference| between the workdir's outputs and the exported model's on `rows`
+  of ids padded into one batch (which must hold padding), at every real position (a
+  classifier's: every row). The exported model reads `their_rows` (default the same ids);
+  `columns`: see `gap`."""
+  ids, mask = padded(rows)
+  assert len(set(map(len, rows))) > 1  # The batch holds padding.
+  a = our_outputs(workdir, ids)
+  b = their_outputs(out, cls, padded(their_rows or rows)[0], mask)
+  return gap(a, b, mask.astype(bool), columns)
+
+
+def gap(a: np.ndarray, b: np.ndarray, real: np.ndarray, columns=None) -> float:
+  """max |a - b| over the [B, T] positions `real` of [B, T, V] logits ([B, labels] outputs:
+  every row). `columns`: the exported model's id of each of our ids, -1 for none (a
+  renumbered vocabulary); default the same ids."""
+  if a.ndim == 2:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b)))
+  if columns is not None:
+    columns = np.asarray(columns)
+    known = columns >= 0
+    a, b = a[..., :len(columns)][..., known], b[..., columns[known]]
+  return float(np.max(np.abs(a[real] - b[real])))
+
+
 def with_model_field(workdir: Path, to: Path, field: str, value) -> Path:
   """A workdir's config.json and tokenizer in `to`, one model field changed: enough for the
   export's refusals, which come before any parameter is read."""

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests import exported
 from tests.conftest import DATA, ROOT
 from transformer_jax import config as config_lib, sharding
 from transformer_jax.data.tokenizer import BOS, EOS, HF_FILE, PAD, HuggingFaceTokenizer, Tokenizers
@@ -82,14 +83,9 @@ def _config(checkpoint: Path, tfds_dir, cache_dir, **run):
   return c
 
 
-def _their_logits(checkpoint: Path, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-  import torch
-  import transformers
-  cls = json.loads((checkpoint / "config.json").read_text())["architectures"][0]
-  model = getattr(transformers, cls).from_pretrained(checkpoint, dtype=torch.float32).eval()
-  with torch.no_grad():
-    return model(input_ids=torch.from_numpy(ids),
-                 attention_mask=torch.from_numpy(mask)).logits.numpy()
+def _columns(tok) -> list[int]:
+  """The checkpoint's id of each of our ids (-1: one it has not), the mask's last."""
+  return tok.ids + ([tok.mask] if tok.mask is not None else [])
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
@@ -147,11 +143,8 @@ def test_a_checkpoint_made_by_transformers_gives_its_ids_and_logits_here(checkpo
   if kind == "gpt2":
     hf_ids[:, 0] = end
   a = np.asarray(jax.jit(model.apply)({"params": state.params}, ids.astype(np.int32)))
-  b = _their_logits(path, hf_ids, real.astype(np.int64))
-  columns = np.asarray(tok.ids + ([tok.mask] if tok.mask else []))
-  known = columns >= 0
-  assert np.max(np.abs(a[..., :len(columns)][..., known][real]
-                       - b[..., columns[known]][real])) < 1e-4
+  b = exported.their_outputs(path, source.architecture, hf_ids, real.astype(np.int64))
+  assert exported.gap(a, b, real, _columns(tok)) < 1e-4
   assert np.max(np.abs(b[real])) > 0.1  # Logits of some size: not zeros on both sides.
   if kind == "gpt2":  # Layers scanned into one stack: the same model.
     scanned = build.build_model(dataclasses.replace(model.cfg, scan_layers=True))
@@ -199,7 +192,6 @@ def test_fine_tuning_a_checkpoint_runs_and_resumes_exactly(checkpoints, kind, tf
   assert saved["data"]["tokenizer"] == "huggingface"
   # Exported back: the checkpoint's ids and tokenizer, and the fine-tuned model's logits.
   from transformers import AutoTokenizer
-  from tests import exported
   out = tmp_path / "exported"
   exported.export(straight, out)
   tok = Tokenizers.load(straight).tgt
@@ -214,16 +206,8 @@ def test_fine_tuning_a_checkpoint_runs_and_resumes_exactly(checkpoints, kind, tf
   rows = [[BOS] + ids + ([EOS] if kind == "bert" else []) for ids in tok.encode(lines)]
   back = {hf: ours for ours, hf in enumerate(tok.ids) if hf >= 0}
   assert [[back.get(i, BOS) for i in row] for row in hf_rows] == rows
-  ids, mask = exported.padded(rows)
-  hf_ids, _ = exported.padded(hf_rows)
-  real = mask.astype(bool)
-  a = exported.our_outputs(straight, ids)
-  b = exported.their_outputs(out, "GPT2LMHeadModel" if kind == "gpt2" else "BertForMaskedLM",
-                             hf_ids, mask)
-  columns = np.asarray(tok.ids + ([tok.mask] if tok.mask else []))
-  known = columns >= 0
-  assert np.max(np.abs(a[..., :len(columns)][..., known][real]
-                       - b[..., columns[known]][real])) < 1e-4
+  cls = "GPT2LMHeadModel" if kind == "gpt2" else "BertForMaskedLM"
+  assert exported.logit_gap(straight, out, cls, rows, hf_rows, _columns(tok)) < 1e-4
   # Its tokenizer file lost: no tokenizer is fitted in its place, and the run says why.
   (resumed / HF_FILE).write_text("{")
   with pytest.raises(UserError, match=f"{HF_FILE} is damaged or empty .*; put back the copy"):
