@@ -65,13 +65,18 @@ def pytest_unconfigure(config):
 _MADE_CACHE = pytest.StashKey[bool]()
 
 
+CORPORA = ("fra-eng", "multi30k", "en-fr-test", "shakespeare")  # What `download` writes.
+
+
 def pytest_sessionstart(session):
   """The tests train and translate on the real corpora: without them, one line saying where."""
-  if not (DATA / "fra-eng").is_dir():
+  missing = [name for name in CORPORA if not (DATA / name).is_dir()]
+  if missing:
     raise pytest.UsageError(
-        f"no corpora in {DATA}: run `python -m transformer_jax download --out data`, or set "
-        "TRANSFORMER_JAX_DATA to a directory that holds fra-eng/, multi30k/, en-fr-test/ and "
-        "shakespeare/")
+        f"no {', '.join(missing)} in {DATA}: run `python -m transformer_jax download --out "
+        "data` (without internet: --mirror DIR or TRANSFORMER_JAX_MIRROR=DIR, a directory "
+        "holding the source files), or set TRANSFORMER_JAX_DATA to a directory that holds "
+        f"{', '.join(CORPORA)}")
 
 
 def _run_dir(tmp_path_factory) -> Path:

