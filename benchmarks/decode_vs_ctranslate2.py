@@ -1,8 +1,8 @@
 """Translating a whole file with this project and with CTranslate2 on the same weights.
 
   python benchmarks/decode_vs_ctranslate2.py --workdir runs/fra_eng \
-      --input ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.eng \
-      --reference ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
+      --input data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.eng \
+      --reference data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
       --json benchmarks/results/NAME.json
 
 The workdir is exported to CTranslate2 (`transformer_jax.serving.export`, float32) and loaded as

@@ -1,7 +1,7 @@
 """The language model's packing against grain's two packers, on one epoch of the same documents.
 
   python benchmarks/lm_packing.py --config configs/lm_shakespeare.py \
-      --set data.data_dir=../shared/data/shakespeare --json OUT.json
+      --set data.data_dir=data/shakespeare --json OUT.json
 
 Three ways to turn the training documents (token streams ending in <eos>) into [rows, max_len]
 batches, each timed over one epoch on one core:

@@ -4,7 +4,7 @@ works in bits per character.
 
   pip install ".[bench]"   # torch
   python benchmarks/lm_vs_pytorch.py --config configs/lm_shakespeare.py \
-      --set data.data_dir=../shared/data/shakespeare --seconds 300 --json OUT.json
+      --set data.data_dir=data/shakespeare --seconds 300 --json OUT.json
 
 The PyTorch side is written here: token and learned position embeddings, pre-LN blocks of causal
 self-attention (one fused q/k/v projection, `scaled_dot_product_attention` with the rows'

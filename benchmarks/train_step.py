@@ -1,6 +1,6 @@
 """Train-step throughput and model-FLOPs utilisation, using the library's own train_step.
 
-  python benchmarks/train_step.py --config configs/fra_eng.py --data_dir ../shared/data/fra-eng
+  python benchmarks/train_step.py --config configs/fra_eng.py --data_dir data/fra-eng
       [--batches packed,padded,random] [--batch_tokens 2304] [--steps 20] [--json out.json]
 
 Batches (`--batches`, default `packed`): `packed`, what train.py trains on (the config's

@@ -2,8 +2,8 @@
 the same weights, as a user would run each.
 
   python benchmarks/whole_commands.py --workdir runs/fra_eng \
-      --input ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.eng \
-      --reference ../shared/data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
+      --input data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.eng \
+      --reference data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
       --json benchmarks/results/NAME.json
 
 The workdir is exported to CTranslate2 once (not timed). Then, for each beam size, one after

@@ -1,7 +1,7 @@
 """The d2l.ai chapter's exact settings: word-level vocab, the first 512 training pairs, 9 tokens.
 
   python train.py --config configs/d2l_tiny.py --workdir runs/d2l_tiny \
-      --config.data.data_dir ../shared/data/fra-eng
+      --config.data.data_dir data/fra-eng
 
 2 layers, 256 hidden, FFN 64, 4 heads, dropout 0.2, Adam lr 0.001 (constant), clip 1,
 batch 128, 30 epochs of 512 pairs (120 steps). Sentences are truncated to 9 tokens, as d2l's

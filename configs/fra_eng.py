@@ -2,7 +2,7 @@
 
 Command (data read from a local copy of fra-eng.zip):
   python train.py --config configs/fra_eng.py --workdir runs/fra_eng \
-      --config.data.data_dir ../shared/data/fra-eng
+      --config.data.data_dir data/fra-eng
 The recipe was chosen on the validation split (docs/results.md, "Choosing the recipe"): against the
 first default (rsqrt schedule, rows of 48 x 48, no augmentation) it decays the learning rate to
 0 with a cosine, joins training pairs into longer examples (concatenation augmentation; the

@@ -3,9 +3,9 @@ First Folio a passage of a play comes from: comedy, history or tragedy.
 
 Command (the pretrained run first; the works read from a local copy, else downloaded):
   python train.py --config configs/mlm_shakespeare.py --workdir runs/mlm_shakespeare \
-      --config.data.data_dir ../shared/data/shakespeare
+      --config.data.data_dir data/shakespeare
   python train.py --config configs/genre_shakespeare.py --workdir runs/genre_shakespeare \
-      --config.data.data_dir ../shared/data/shakespeare \
+      --config.data.data_dir data/shakespeare \
       --config.run.init_from runs/mlm_shakespeare
 The `shakespeare_genre` dataset (data/builders.py): the 36 plays of the Folio cut into passages
 of 10 non-blank lines, each labelled by its play's genre; one play of each genre is held out for

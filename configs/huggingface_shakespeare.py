@@ -4,7 +4,7 @@ section is read from the checkpoint's config.json, and the run takes its weights
 Command (CHECKPOINT: a directory that save_pretrained wrote, with model.safetensors and the
 tokenizer's tokenizer.json):
   python train.py --config configs/huggingface_shakespeare.py:CHECKPOINT \
-      --workdir runs/gpt2_shakespeare --config.data.data_dir ../shared/data/shakespeare
+      --workdir runs/gpt2_shakespeare --config.data.data_dir data/shakespeare
 A GPT2LMHeadModel continues as a language model (the works' documents, bits per character), a
 BertForMaskedLM as a masked language model (masked-token accuracy), both on the splits of
 configs/lm_shakespeare.py, rows of up to 128 tokens, a learning rate of 1e-4 after 100 warm-up

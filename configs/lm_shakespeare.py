@@ -2,7 +2,7 @@
 
 Command (the works read from a local copy; without data_dir they are downloaded):
   python train.py --config configs/lm_shakespeare.py --workdir runs/lm_shakespeare \
-      --config.data.data_dir ../shared/data/shakespeare
+      --config.data.data_dir data/shakespeare
 34 works train, 4 are held out for validation and 4 for test (whole works, by name). A
 lossless SentencePiece of 2,048 pieces (newlines and spaces kept), rows of 128 tokens cut from
 the works at offsets that move every epoch, 4 pre-LN blocks of d_model 256 with learned

@@ -3,7 +3,7 @@ a 2-core CPU.
 
 Command (the works read from a local copy; without data_dir they are downloaded):
   python train.py --config configs/mlm_shakespeare.py --workdir runs/mlm_shakespeare \
-      --config.data.data_dir ../shared/data/shakespeare
+      --config.data.data_dir data/shakespeare
 The documents path of configs/lm_shakespeare.py (34 works train, 4 validate, 4 test; a lossless
 SentencePiece of 2,048 pieces; rows of 128 tokens), read by 4 bidirectional post-LN blocks of
 d_model 256 with learned positions and GELU, as BERT's. Each step masks 15% of the tokens

@@ -1,14 +1,14 @@
 """Multi30k (task 1 captions), English -> French; `:de` for English -> German.
 
   python train.py --config configs/multi30k.py --workdir runs/multi30k \
-      --config.data.data_dir ../shared/data/multi30k
+      --config.data.data_dir data/multi30k
 Not yet measured on this CPU: no expected figure is claimed.
 
 `:finetune` fine-tunes the fra-eng model (configs/fra_eng.py, trained in runs/fra_eng) on
 Multi30k en-fr for 300 steps, from its parameters and with its tokenizer (docs/training.md,
 "Fine-tuning"):
   python train.py --config configs/multi30k.py:finetune --workdir runs/multi30k_ft \
-      --config.data.data_dir ../shared/data/multi30k --config.run.init_from runs/fra_eng
+      --config.data.data_dir data/multi30k --config.run.init_from runs/fra_eng
 """
 
 from transformer_jax.config import base_config, smoke, variants

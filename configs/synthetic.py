@@ -6,7 +6,6 @@ what a CPU steps through in seconds.
   python train.py --config configs/synthetic.py:cpu --workdir runs/synth5m \
       --config.data.data_dir data/synth5m --config.data.tfds_dir data/synth5m/tfds
 Prepare each corpus into its own tfds_dir (the prepared dataset is named `parallel_tsv`).
-Figures (first-step latency, peak memory at 1M and 5M pairs): benchmarks/README.md.
 """
 
 from transformer_jax.config import base_config, smoke, variants

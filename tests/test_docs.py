@@ -7,6 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -18,14 +19,22 @@ NOT_ABOUT_THE_PROJECT = re.compile(
     r"/(work|tmp|home|root|Users)/|\bsessions?\b|\bsittings?\b|\bissues? \d+|#\d+", re.I)
 
 
+COMMAND = re.compile(r"(\.venv/bin/)?(python3?|pip)\s")  # An indented line that runs one.
+
+
+def _lines(block: str) -> list[str]:
+  """A block's lines, continuation lines joined and comments left out."""
+  lines = (line.split("  #")[0].strip() for line in re.sub(r"\\\n\s*", " ", block).splitlines())
+  return [line for line in lines if line and not line.startswith("#")]
+
+
 def documented_commands(text: str) -> list[str]:
-  """The shell commands of a Markdown text's ```sh blocks, continuation lines joined."""
-  found = []
-  for block in re.findall(r"```sh\n(.*?)```", text, re.S):
-    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-      line = line.split("  #")[0].strip()
-      if line and not line.startswith("#"):
-        found.append(line)
+  """The shell commands of a Markdown text: every line of its ```sh blocks, and the lines of
+  its indented code blocks (four spaces, after a blank line) that start a Python command."""
+  found = [line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in _lines(block)]
+  unfenced = re.sub(r"```.*?```", "", text, flags=re.S)
+  for block in re.findall(r"(?:^|\n\n)((?: {4}.*(?:\n|$))+)", unfenced):
+    found += [line for line in _lines(textwrap.dedent(block)) if COMMAND.match(line)]
   return found
 
 
@@ -41,8 +50,41 @@ def _runnable(command: str) -> list[str] | None:
   return [sys.executable, *argv[1:]]
 
 
+def table_commands(text: str) -> list[str]:
+  """The commands with flags in a results table's backticks, as the Python commands they are:
+  `benchmarks/X.py ...`, `train.py ...`, `aot ...` (python -m transformer_jax aot ...)."""
+  found = []
+  for span in re.findall(r"`([^`\n]+)`", text):
+    name = span.split()[0]
+    if "--" not in span:
+      continue
+    if name.startswith("benchmarks/") and name.endswith(".py") or name == "train.py":
+      found.append(f"python {span}")
+    elif (ROOT / "transformer_jax" / "commands" / f"{name}.py").is_file():
+      found.append(f"python -m transformer_jax {span}")
+  return found
+
+
 ALL_COMMANDS = [(path.relative_to(ROOT).as_posix(), c)
-                for path in DOCS for c in documented_commands(path.read_text())]
+                for path in DOCS for c in documented_commands(path.read_text())
+                + (table_commands(path.read_text()) if path == ROOT / "docs" / "results.md" else [])]
+
+
+def _required_flags(argv: list[str]) -> list[str]:
+  """The flags a command cannot run without: an argparse script's (its usage line's flags
+  outside brackets), or what a command's module says `is required` / `are required`."""
+  if argv[1].startswith("benchmarks/"):
+    usage = subprocess.run(argv[:2] + ["--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120).stdout.split("\n\n")[0]
+    while re.search(r"\[[^\[\]]*\]", usage):
+      usage = re.sub(r"\[[^\[\]]*\]", "", usage)
+    return re.findall(r"--\w+", usage)
+  name = "train" if argv[1] == "train.py" else argv[3]
+  if name == "aot" and {"--install_plugins", "--install_cudnn"} & set(argv):
+    return []  # Installing the compilers needs no config.
+  source = (ROOT / "transformer_jax" / "commands" / f"{name}.py").read_text()
+  return [flag for said in re.findall(r"((?:--\w+(?:,| and) )*--\w+) (?:is|are) required", source)
+          for flag in re.findall(r"--\w+", said)]
 
 
 @pytest.mark.quick
@@ -138,6 +180,9 @@ def test_every_documented_command_parses(where, command):
   would read them (absl: --helpshort after them all stops it there; argparse: each flag given is
   one the script knows), with nothing run."""
   argv = _runnable(command)
+  given = {a.split("=")[0] for a in argv[2:] if a.startswith("--")}
+  missing = [f for f in _required_flags(argv) if f not in given]
+  assert not missing, f"{where}: {command} lacks {', '.join(missing)}"
   if argv[1].startswith("benchmarks/"):
     result = subprocess.run(argv[:2] + ["--help"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
@@ -152,8 +197,9 @@ def test_every_documented_command_parses(where, command):
   output = result.stdout + result.stderr
   assert not re.search(r"^error|FATAL", output, re.M), f"{where}: {output[-2000:]}"
   for flag in (a.split("=")[0][2:] for a in argv[2:] if a.startswith("--")):
-    if not flag.startswith("config."):
-      assert re.search(rf"--(\[no\])?{flag}:", output), f"{where}: no flag --{flag}"
+    if not flag.startswith("config."):  # --noX is a boolean flag's, listed as --[no]X.
+      assert re.search(rf"--(\[no\])?{flag}:", output) or re.search(
+          rf"--\[no\]{flag[2:]}:", output) and flag.startswith("no"), f"{where}: no flag --{flag}"
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +235,38 @@ def test_the_short_documented_commands_run_as_written(workdir_as_documented, com
     assert (workdir_as_documented / "maps" / "cross_layer1.png").is_file()
   if "average" in argv:
     assert (workdir_as_documented / "runs" / "fra_eng_avg3" / "checkpoints").is_dir()
+
+
+SECTION_FIELD = re.compile(r"`(?:--config\.)?(data|model|optimizer|step|eval|run|decode)\.([a-z]\w*)")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_name_only_config_fields_that_exist(path):
+  """Every `SECTION.FIELD` a doc names in backticks is a field of the config, and no doc names
+  a field by its name from before the config had sections (`eval_batch_size`)."""
+  from transformer_jax import config
+  fields = config.base_config()
+  bad = []
+  for n, line in enumerate(path.read_text().splitlines(), 1):
+    for section, field in SECTION_FIELD.findall(line):
+      # (A file's name is no field; an example of the error a misspelled field gets.)
+      if (field not in fields[section] and field not in ("py", "safetensors")
+          and "misspelled" not in line):
+        bad.append(f"{path.name}:{n}: {section}.{field}")
+    bad += [f"{path.name}:{n}: {name} (now {config.moved(name)})"
+            for name in re.findall(r"`(\w+)`", line) if name in config._FLAT_RENAMED]
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.quick
+def test_ci_runs_the_readmes_test_command_as_written():
+  """`.ci/run` runs the second command of the README's "The two commands" (installs, fetches
+  the data into data/, runs the tests), read from the README itself."""
+  two = (ROOT / "README.md").read_text().split("## The two commands", 1)[1].split("\n## ", 1)[0]
+  train, tests = re.findall(r"```sh\n(.*?)\n```", two, re.S)
+  assert "train.py" in train and "download --out data" in train
+  assert re.search(r"download --out data && \S+ -m pytest", tests), tests
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert 'bash -c "$command"' in ci and "TRANSFORMER_JAX_MIRROR" in ci
+  assert "TRANSFORMER_JAX_DATA" not in ci  # The tests read data/, where the command put it.
