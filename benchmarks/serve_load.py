@@ -65,11 +65,11 @@ def get(port: int, path: str) -> tuple[int, dict]:
     connection.close()
 
 
-def start_server(workdir: str, port: int, *flags: str, log=None) -> subprocess.Popen:
+def start_server(workdir: str, port: int, *flags: str, log=None, cwd=ROOT) -> subprocess.Popen:
   """`python -m transformer_jax serve` in a subprocess (stdout and stderr to `log`)."""
   command = [sys.executable, "-m", "transformer_jax", "serve", f"--workdir={workdir}",
              f"--port={port}", *flags]
-  return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+  return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

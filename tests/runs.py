@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +21,26 @@ from tests.conftest import DATA, ROOT
 
 
 def shakespeare_command(config: str, workdir, tfds_dir, cache_dir, *overrides: str) -> list[str]:
-  """train.py on a config's smoke variant over the shared Shakespeare works, in the tests' tfds
+  """train.py on a config's smoke variant over the Shakespeare works (named relative to the
+  repository's root, the command's current directory, as a user names them), in the tests' tfds
   directory and compilation cache, no grain workers; `overrides`: --config.X=V flags."""
   return [sys.executable, "train.py", "--config", f"configs/{config}.py:smoke",
-          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'shakespeare'}",
+          "--workdir", str(workdir),
+          f"--config.data.data_dir={os.path.relpath(DATA / 'shakespeare', ROOT)}",
           f"--config.data.tfds_dir={tfds_dir}", f"--config.run.compilation_cache_dir={cache_dir}",
           "--config.data.num_workers=0", *overrides]
+
+
+def moved_copy(workdir: Path, tmp_path: Path) -> tuple[Path, Path]:
+  """A copy of a trained run in another folder, and an empty current directory for commands on
+  it, from which the run's relative data path names nothing."""
+  copy = tmp_path / "moved" / workdir.name
+  shutil.copytree(workdir, copy)
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  data_dir = json.loads((copy / "config.json").read_text())["data"]["data_dir"]
+  assert not Path(data_dir).is_absolute() and not (elsewhere / data_dir).exists(), data_dir
+  return copy, elsewhere
 
 
 def run(command: list[str]) -> str:

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -38,7 +39,6 @@ def test_d2l_tiny_has_the_chapters_settings():
 
 @pytest.mark.parametrize("field,value,message", [
     ("data.dataset", "nope", "data.dataset='nope' is unknown"),
-    ("data.data_dir", "/does/not/exist", "data.data_dir='/does/not/exist' is not a directory"),
     ("optimizer.schedule", "linear", "optimizer.schedule='linear' must be one of"),
     ("model.layer_norm_eps", 0.0, "model.layer_norm_eps=0.0 must be in (0, 1)"),
     ("run.mesh_shape", (1, 1), "run.mesh_shape=(1, 1) must have 3 entries"),
@@ -54,6 +54,25 @@ def test_bad_fields_are_named(field, value, message):
   config[section][name] = value
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     checks.validated(config)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("data.data_dir", "/does/not/exist", "data.data_dir='/does/not/exist' is not a directory: "
+     "pass the corpus's directory with --config.data.data_dir DIR"),
+    ("data.data_dir", "data/moved", "data.data_dir='data/moved' is not a directory from "),
+    ("run.compiled_train_step", "/does/not/exist.bin",
+     "run.compiled_train_step='/does/not/exist.bin' is not a file"),
+])
+def test_paths_are_the_trainers_to_check_not_the_configs(field, value, message):
+  """A path a run reads is checked by the trainer before it starts; parsing a config (as every
+  command that reads a trained run's config.json does) reads no disk, so a moved run parses."""
+  from configs import fra_eng
+  config = fra_eng.get_config()
+  section, name = field.split(".")
+  config[section][name] = value
+  cfg = checks.validated(config)
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+    checks.check_paths(cfg)
 
 
 def test_train_py_fails_in_one_line_before_compiling(tmp_path):

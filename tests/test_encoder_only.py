@@ -7,6 +7,7 @@ and `classify` on it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -125,9 +126,10 @@ def test_a_killed_masked_language_model_run_resumes_bit_for_bit(mlm_run, tmp_pat
   assert metrics(tmp_path) == metrics(mlm_run)  # The same masks, the same losses.
 
 
-def _fill(*args, **kwargs):
+def _fill(*args, cwd=ROOT, **kwargs):
   return subprocess.run([sys.executable, "-m", "transformer_jax", "fill", *map(str, args)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+                        cwd=cwd, capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)}, **kwargs)
 
 
 def test_fill_ranks_pieces_for_each_mask(mlm_run, tmp_path):
@@ -325,9 +327,24 @@ def _validation_passages() -> tuple[list[str], list[str]]:
   return texts, labels
 
 
-def _classify(*args, **kwargs):
+def _classify(*args, cwd=ROOT, **kwargs):
   return subprocess.run([sys.executable, "-m", "transformer_jax", "classify", *map(str, args)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+                        cwd=cwd, capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)}, **kwargs)
+
+
+def test_moved_runs_fill_and_classify_from_another_directory(mlm_run, genre_run, tmp_path):
+  """Trained with a relative data path, copied elsewhere, read from a third directory: the
+  same answers as from where they were trained (the classifier's run.init_from not read)."""
+  mlm, elsewhere = runs.moved_copy(mlm_run, tmp_path / "mlm")
+  there = _fill("--workdir", mlm, "To be, or not to [MASK].", cwd=elsewhere)
+  assert there.returncode == 0 and "damaged" not in there.stderr, there.stderr[-2000:]
+  assert there.stdout == _fill("--workdir", mlm_run, "To be, or not to [MASK].").stdout
+  genre, elsewhere = runs.moved_copy(genre_run[0], tmp_path / "genre")
+  text = "My liege, the French are landed at Milford.\\nTo arms, to arms!"
+  there = _classify("--workdir", genre, "--input", "-", input=text, cwd=elsewhere)
+  assert there.returncode == 0 and "damaged" not in there.stderr, there.stderr[-2000:]
+  assert there.stdout == _classify("--workdir", genre_run[0], "--input", "-", input=text).stdout
 
 
 def test_classify_scores_the_validation_split_as_the_training_run_did(genre_run, tmp_path):

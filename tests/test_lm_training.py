@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -307,9 +308,10 @@ def test_a_killed_language_model_run_resumes_bit_for_bit(lm_run, tmp_path, tfds_
   assert losses(tmp_path) == losses(lm_run)
 
 
-def _generate(*args):
+def _generate(*args, cwd=ROOT):
   return subprocess.run([sys.executable, "-m", "transformer_jax", "generate", *map(str, args)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        cwd=cwd, capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_generate_continues_prompts_from_a_file(lm_run, tmp_path):
@@ -326,6 +328,16 @@ def test_generate_continues_prompts_from_a_file(lm_run, tmp_path):
   _generate("--workdir", lm_run, "--input", prompts, "--output", again, "--max_new_tokens", 12,
             "--temperature", 0.9, "--top_p", 0.9, "--seed", 3)
   assert again.read_text() == out.read_text()  # The seed fixes the samples.
+
+
+def test_a_moved_run_generates_from_another_directory(lm_run, tmp_path):
+  """Trained with a relative data path, copied elsewhere, read from a third directory: the
+  same text as from where it was trained."""
+  moved, elsewhere = runs.moved_copy(lm_run, tmp_path)
+  args = ("ROMEO.", "--max_new_tokens", 8)
+  there = _generate("--workdir", moved, *args, cwd=elsewhere)
+  assert there.returncode == 0 and "damaged" not in there.stderr, there.stderr[-2000:]
+  assert there.stdout == _generate("--workdir", lm_run, *args).stdout
 
 
 @pytest.mark.parametrize("args, message", [

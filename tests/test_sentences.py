@@ -46,3 +46,41 @@ def test_a_text_that_is_one_sentence_skips_pysbd_with_pysbd_s_answer(monkeypatch
   assert asked == []
   assert {t: sentences.sentences(t, "en") for t in other} == other
   assert asked == list(other)
+
+
+def _words(text: str) -> int:
+  """A stand-in tokenizer: a token a word and one for <eos>; a word of over 6 letters is a
+  token for every 6."""
+  return sum(-(-len(w) // 6) for w in text.split()) + 1
+
+
+def test_a_sentence_over_the_limit_is_cut_at_clauses_then_words_and_nothing_is_lost():
+  text = "When the rain came, we ran home; the dog - wet and happy - followed us all the way there."
+  pieces = sentences.fit(text, _words, limit=10)  # Clauses packed while they fit.
+  assert pieces == ["When the rain came, we ran home; the dog", "- wet and happy",
+                    "- followed us all the way there."]
+  assert all(_words(p) <= 10 for p in pieces) and " ".join(pieces) == text
+  # A clause that does not fit alone ("- followed ...": 9 tokens) is cut between words.
+  assert sentences.fit(text, _words, limit=8) == [
+      "When the rain came, we ran home;", "the dog - wet and happy", "- followed us all the way",
+      "there."]
+  # No clause cut in sight: runs of words; a word longer than the limit: runs of letters.
+  assert sentences.fit("a b c d e f g", _words, limit=4) == ["a b c", "d e f", "g"]
+  long = "x" * 40
+  assert sentences.fit(f"go {long} now", _words, limit=3) == ["go", "x" * 12, "x" * 12,
+                                                                "x" * 12, "xxxx", "now"]
+  assert sentences.fit("Short.", _words, limit=3) == ["Short."]
+
+
+def test_split_long_cuts_only_what_the_model_cannot_read():
+  lines = ["One. Two three four five six seven.", "Short.", "a b c d e f g h i j"]
+  count = lambda texts: [_words(t) for t in texts]
+  lengths = count(lines)
+  pieces, owners = sentences.split_long(lines, lengths, over=None, lang="en", limit=5,
+                                        count=count)
+  assert pieces == ["One. Two three four", "five six seven.", "Short.", "a b c d", "e f g h",
+                    "i j"]
+  assert owners == [0, 0, 1, 2, 2, 2]
+  # With sentence splitting first, the sentences that fit are kept whole.
+  pieces, _ = sentences.split_long(lines, lengths, over=3, lang="en", limit=5, count=count)
+  assert pieces[:3] == ["One.", "Two three four five", "six seven."]

@@ -122,8 +122,9 @@ def test_concurrent_clients_get_what_translate_gives(server, sources, expected):
     (json.dumps({"sentences": ["a"] * 9}).encode(), "9 sentences; the limit is 8 per request"),
     (json.dumps({"sentences": ["a" * 301]}).encode(), "301 characters; the limit is 300"),
     (json.dumps({"sentences": ["x" * 3990]}).encode(), "the limit is 4000 (--max_request_bytes)"),
-    (json.dumps({"sentences": ["Tom " * 40]}).encode(), "tokens with <eos>; the limit is the "
-                                                        "model's max_len, 32"),
+    (json.dumps({"sentences": ["Tom " * 40], "n_best": 2}).encode(),
+     "sentences[0] has 41 tokens with <eos>, over the model's max_len, 32: an n_best request "
+     "translates a sentence whole"),
     (json.dumps({"sentences": ["I lost.", " "]}).encode(), "sentences[1] is empty"),
     (json.dumps({"sentences": ["I lost.", 3]}).encode(), "sentences[1] is not a string"),
     (json.dumps({"sentences": []}).encode(), "non-empty list of strings"),
@@ -145,6 +146,23 @@ def test_bad_requests_get_400_with_a_message(server, body, message):
   connection.close()
   assert status == 400
   assert message in answer["error"]
+
+
+def test_a_sentence_over_the_models_length_is_translated_as_translate_does(server, trained,
+                                                                          tmp_path):
+  """Over max_len tokens: cut to fit and translated in pieces, by `serve` as by `translate`."""
+  _, workdir = trained
+  long = "Tom said that he would come back, " * 4 + "and then he left."
+  (tmp_path / "in.txt").write_text(long + "\n")
+  result = subprocess.run([sys.executable, "-m", "transformer_jax", "translate",
+                           f"--workdir={workdir}", f"--input={tmp_path / 'in.txt'}",
+                           "--beam_size=4"], cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode == 0 and "have more tokens than the model's 32" in result.stderr
+  connection = _connection(server)
+  status, answer, _ = post(connection, {"sentences": [long], "beam_size": 4})
+  connection.close()
+  assert status == 200, answer
+  assert answer["translations"][0]["text"] == result.stdout.strip()
 
 
 def test_health_ready_and_info(server):

@@ -23,7 +23,6 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import ml_collections
@@ -119,8 +118,8 @@ class DataConfig(_Section):
   batch_size: int = 64  # Rows per global batch (each up to max_len tokens a side).
 
   def check(self):
-    if self.data_dir:
-      check(Path(self.data_dir).is_dir(), f"data.data_dir={self.data_dir!r} is not a directory")
+    # Nothing here reads the filesystem: a trained run's config.json parses wherever the run
+    # was moved (the trainer checks data_dir against the disk, training/checks.py).
     check(self.tokenizer in TOKENIZERS,
           f"data.tokenizer={self.tokenizer!r} must be one of {', '.join(TOKENIZERS)}")
     check(self.overlong in ("drop", "truncate"),
@@ -341,9 +340,6 @@ class RunConfig(_Section):
           f"run.mesh_shape={self.mesh_shape} must have 3 entries (data, fsdp, tensor)")
     check(self.peak_flops >= 0, f"run.peak_flops={self.peak_flops} must be >= 0 (0: known "
           "devices' own)")
-    if self.compiled_train_step:
-      check(Path(self.compiled_train_step).is_file(),
-            f"run.compiled_train_step={self.compiled_train_step!r} is not a file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

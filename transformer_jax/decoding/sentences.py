@@ -1,15 +1,19 @@
-"""Long sources translated sentence by sentence.
+"""Long sources translated sentence by sentence, and no piece longer than the model reads.
 
 A model trained on sentence pairs translates a paragraph worse than each of its sentences, and
 a source over the model's `max_len` tokens would lose its end to truncation. `split_long` cuts
-such sources at sentence ends (pysbd's rules for the source language); the translations of the
-pieces are joined again with a space.
+such sources at sentence ends (pysbd's rules for the source language), and a sentence still
+over the model's limit into clauses (after , ; : and before a dash) joined while they fit, a
+clause still too long into runs of words; the translations of the pieces are joined again with
+a space. pysbd is kept for sentence ends (abbreviations, quotes, numbers: a solved problem);
+the clause cut is a few lines of this project's own, as no library cuts to a token budget.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import pysbd
 import pysbd.languages
@@ -44,13 +48,59 @@ def sentences(text: str, lang: str) -> list[str]:
   return [p for p in pieces if p] or [text]
 
 
-def split_long(lines: list[str], lengths: list[int], over: int | None,
-               lang: str) -> tuple[list[str], list[int]]:
-  """Lines of more than `over` tokens (`lengths`) split into sentences; `over` None splits none.
-  Returns the pieces and, for each, the index of the line it came from, in line order."""
+# Where a sentence over the model's limit is cut first: after a comma, semicolon or colon, and
+# before a dash between words.
+_CLAUSE_CUT = re.compile(r"(?<=[,;:])\s+|\s+(?=[-\u2013\u2014]\s)")
+
+
+def _packed(parts: list[str], fits: Callable[[str], bool]) -> list[str]:
+  """`parts` joined by spaces, in order, into as few pieces as `fits` allows (a part that does
+  not fit alone is a piece of its own)."""
+  pieces = []
+  for part in parts:
+    if pieces and fits(joined := f"{pieces[-1]} {part}"):
+      pieces[-1] = joined
+    else:
+      pieces.append(part)
+  return pieces
+
+
+def fit(text: str, count: Callable[[str], int], limit: int) -> list[str]:
+  """`text` cut into pieces of at most `limit` tokens each (`count`: a text's tokens, <eos>
+  included), in order, rejoinable with spaces: clauses packed while they fit, a clause that
+  does not fit cut into runs of words, a word that does not fit into runs of characters."""
+  fits = lambda piece: count(piece) <= limit
+  if fits(text):
+    return [text]
+  out = []
+  for clause in _packed(_CLAUSE_CUT.split(text.strip()), fits):
+    for run in ([clause] if fits(clause) else _packed(clause.split(), fits)):
+      if fits(run):
+        out.append(run)
+        continue
+      start = 0  # One word longer than the limit: the longest prefixes that fit.
+      while start < len(run):
+        end = start + 1
+        while end < len(run) and fits(run[start:end + 1]):
+          end += 1
+        out.append(run[start:end])
+        start = end
+  return out
+
+
+def split_long(lines: list[str], lengths: list[int], over: int | None, lang: str,
+               limit: int | None = None, count: Callable[[list[str]], list[int]] | None = None
+               ) -> tuple[list[str], list[int]]:
+  """Lines of more than `over` tokens (`lengths`, <eos> included) split into sentences (`over`
+  None: none), and, with a `limit`, every piece of more than `limit` tokens (`count`: the
+  tokens of texts) cut to fit (`fit`). Returns the pieces and, for each, the index of the line
+  it came from, in line order."""
   pieces, owners = [], []
   for i, (line, length) in enumerate(zip(lines, lengths)):
     parts = sentences(line, lang) if over is not None and length > over else [line]
+    if limit is not None and length > limit:
+      one = lambda text: count([text])[0]
+      parts = [piece for part in parts for piece in fit(part, one, limit)]
     pieces += parts
     owners += [i] * len(parts)
   return pieces, owners

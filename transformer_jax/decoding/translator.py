@@ -224,13 +224,8 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
   <eos>) is translated sentence by sentence (sentences.py); None: no line is split.
   `long_beam` = (over, beam size): a line (or sentence of a split line) of more than `over`
   tokens is decoded with that beam size instead of `options.beam_size`."""
-  numbers = owners = None
-  if segment_over is not None:
-    lengths = _token_lengths(translator, lines)
-    pieces, owners = sentences.split_long(lines, lengths, segment_over, translator.src_lang)
-    numbers = [i + 1 for i in owners]
-  else:
-    pieces = lines
+  pieces, owners = split_to_fit(translator, lines, segment_over)
+  numbers = [i + 1 for i in owners]
   groups = [(range(len(pieces)), options)]
   if long_beam is not None:
     over, beam_size = long_beam
@@ -240,7 +235,22 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
                dataclasses.replace(options, beam_size=beam_size))]
   translations = _translate_each(translator, pieces, groups, batch_size, progress, numbers,
                                  batch_tokens=batch_tokens, num_slots=num_slots)
-  return translations if owners is None else sentences.join(translations, owners, len(lines))
+  return sentences.join(translations, owners, len(lines))
+
+
+def split_to_fit(translator: Translator, lines: list[str], segment_over: int | None
+                 ) -> tuple[list[str], list[int]]:
+  """The pieces `translate` and `serve` decode for `lines`, and the line each came from: a line
+  of more than `segment_over` tokens cut into sentences (None: none), and any piece over the
+  model's max_len cut to fit (sentences.split_long), with a warning counting such lines."""
+  lengths, limit = _token_lengths(translator, lines), translator.max_src_len
+  over = sum(n > limit for n in lengths)
+  if over:
+    logging.warning("%d of %d sources have more tokens than the model's %d (data.max_len): "
+                    "each is translated in pieces cut at clauses, else between words", over,
+                    len(lines), limit)
+  return sentences.split_long(lines, lengths, segment_over, translator.src_lang, limit,
+                              lambda texts: _token_lengths(translator, texts))
 
 
 def _token_lengths(translator: Translator, lines: list[str]) -> list[int]:
@@ -347,6 +357,11 @@ def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
   from transformer_jax.data import sources
   from transformer_jax.data.builders import DatasetError
   config = Workdir(workdir).load_config().data
+  if config.data_dir and not Path(config.data_dir).is_dir():  # Moved, or another directory.
+    raise InferenceError(
+        f"--split {split} reads the run's corpus, data.data_dir={config.data_dir!r} in its "
+        f"config.json, which is not a directory from {Path.cwd()}: run from where that path "
+        "names the corpus, or translate the split's sources with --input FILE")
   try:
     builder = sources.prepare_config(config)
     pairs = sources.pairs(builder, config.dataset, split)

@@ -36,7 +36,7 @@ from transformer_jax.decoding import platforms, sentences as sentences_lib, stre
 from transformer_jax.serving.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import DecodeOptions, strip
-from transformer_jax.decoding.translator import Translator, batch_rows
+from transformer_jax.decoding.translator import Translator, batch_rows, split_to_fit
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0
@@ -161,19 +161,19 @@ class Service:
     """The pieces to decode ((ids with <eos>, kind) each) and the line each came from: long
     lines split into sentences unless `whole` (translate's rules), over-long pieces refused."""
     tokenizer, d = self.translator.tokenizers.src, self.defaults
-    over = None if whole or d.segment_over < 0 else d.segment_over
-    line_ids = tokenizer.encode(lines)
-    texts, owners = sentences_lib.split_long(lines, [len(ids) + 1 for ids in line_ids], over,
-                                             self.src_lang)
-    piece_ids = line_ids if texts == lines else tokenizer.encode(texts)
     limit = self.translator.max_src_len
+    if whole:  # n-best lists rank whole translations: a line is one piece.
+      texts, owners = lines, list(range(len(lines)))
+    else:
+      texts, owners = split_to_fit(self.translator, lines,
+                                   None if d.segment_over < 0 else d.segment_over)
     out = []
-    for owner, ids in zip(owners, piece_ids):
+    for owner, ids in zip(owners, tokenizer.encode(texts)):
       ids = [*ids, EOS]
-      if len(ids) > limit:
-        what = "a sentence of it has" if len(texts) > len(lines) else "it has"
-        raise BadRequest(f"sentences[{owner}] is too long: {what} {len(ids)} tokens with <eos>; "
-                         f"the limit is the model's max_len, {limit}")
+      if len(ids) > limit:  # Only a whole line (n_best) can be.
+        raise BadRequest(f"sentences[{owner}] has {len(ids)} tokens with <eos>, over the "
+                         f"model's max_len, {limit}: an n_best request translates a sentence "
+                         "whole; send it without n_best to have it translated in pieces")
       beam_size = options.beam_size
       if d.long_beam_size and not whole and len(ids) > d.long_over:
         beam_size = d.long_beam_size

@@ -33,12 +33,23 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   return cfg
 
 
-def check_data_dir(cfg: config_lib.Config) -> None:
-  """A data.data_dir given is a directory that holds files: tfds takes an empty one for none
-  given and downloads instead (minutes of retries where the source is unreachable)."""
+def check_paths(cfg: config_lib.Config) -> None:
+  """The paths a run reads: a data.data_dir given is a directory that holds files (tfds takes
+  an empty one for none given and downloads instead: minutes of retries where the source is
+  unreachable), a run.compiled_train_step given is a file. Only the trainer reads them: the
+  commands that read a trained run never check a training-only path."""
+  step_file = cfg.run.compiled_train_step
+  config_lib.check(not step_file or Path(step_file).is_file(),
+                   f"run.compiled_train_step={step_file!r} is not a file")
   data_dir = cfg.data.data_dir
   if not data_dir:
     return  # Downloaded from the dataset's source.
+  if not Path(data_dir).is_dir():
+    where = "" if Path(data_dir).is_absolute() else f" from {Path.cwd()}"
+    raise config_lib.ConfigError(
+        f"data.data_dir={data_dir!r} is not a directory{where}: pass the corpus's directory "
+        "with --config.data.data_dir DIR (a run moved since it was trained keeps the path it "
+        "was given then)")
   config_lib.check(any(p.is_file() for p in Path(data_dir).rglob("*")),
                    f"data.data_dir={data_dir!r} holds no file: put the corpus's raw files there "
                    "(python -m transformer_jax download --out DIR), or leave data_dir empty to "

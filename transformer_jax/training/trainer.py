@@ -29,7 +29,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`."""
   # Every check that can fail comes before anything is prepared, compiled or written.
   cfg = checks.validated(config)
-  checks.check_data_dir(cfg)
+  checks.check_paths(cfg)
   mesh = checks.checked_mesh(cfg)
   run_dir = Workdir(workdir)
   primary = jax.process_index() == 0
