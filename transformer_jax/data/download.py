@@ -134,7 +134,8 @@ class _Fetcher:
     except (urllib.error.URLError, OSError) as e:
       reason = getattr(e, "reason", e)
       raise DownloadError(f"cannot download {url} ({reason}); without internet, copy the files "
-                          "from a machine that has it and pass --mirror DIR") from None
+                          "from a machine that has it into a directory and pass --mirror DIR "
+                          f"(or set {MIRROR_ENV}=DIR)") from None
 
 
 def _fra_eng_member(data: bytes) -> bytes:
