@@ -221,7 +221,8 @@ def translate_lines(translator: Translator, lines: list[str], options: DecodeOpt
   """Translates many sentences, batched by similar length (or, with `num_slots`, streamed
   through that many decoding slots, longest first), in the input order; an empty (or
   blank) line translates to an empty line. A line of more than `segment_over` tokens (with
-  <eos>) is translated sentence by sentence (sentences.py); None: no line is split.
+  <eos>) is translated sentence by sentence (sentences.py; None: no line is split), and a
+  piece over the model's max_len in pieces that fit (split_to_fit): nothing is truncated.
   `long_beam` = (over, beam size): a line (or sentence of a split line) of more than `over`
   tokens is decoded with that beam size instead of `options.beam_size`."""
   pieces, owners = split_to_fit(translator, lines, segment_over)

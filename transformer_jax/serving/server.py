@@ -159,7 +159,8 @@ class Service:
   def pieces(self, lines: list[str], options: DecodeOptions,
              whole: bool) -> tuple[list[tuple[list[int], Kind]], list[int]]:
     """The pieces to decode ((ids with <eos>, kind) each) and the line each came from: long
-    lines split into sentences unless `whole` (translate's rules), over-long pieces refused."""
+    lines split into sentences and over-long ones cut to fit unless `whole` (translate's rules:
+    split_to_fit); a whole line over the model's max_len (an n_best request's) refused."""
     tokenizer, d = self.translator.tokenizers.src, self.defaults
     limit = self.translator.max_src_len
     if whole:  # n-best lists rank whole translations: a line is one piece.
