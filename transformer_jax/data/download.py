@@ -216,31 +216,42 @@ def _read(path: Path) -> bytes | None:
   return path.read_bytes() if path.is_file() else None
 
 
+# Whether `out` holds a set whole, each file passing the check a fetched one passes (then the
+# set is not fetched again).
+
+def _has_fra_eng(out: Path) -> bool:
+  data = _read(out / "fra-eng" / "fra-eng.zip")
+  return data is not None and _sha256(_fra_eng_member(data)) == SHA256[FRA_TXT]
+
+
+def _has_multi30k(out: Path) -> bool:
+  return all((data := _read(out / "multi30k" / f"{stem}.{lang}.gz")) is not None
+             and _multi30k_lines(f"{stem}.{lang}.gz", data) == count
+             for stem, count in MULTI30K_LINES.items() for lang in ("en", "fr", "de"))
+
+
+def _has_test_sets(out: Path) -> bool:
+  return all((data := _read(out / "en-fr-test" / f"{stem}.{lang}")) is not None
+             and _sha256(data) == SHA256[f"{stem}.{lang}"]
+             for stem in TEST_STEMS for lang in ("eng", "fra"))
+
+
+def _has_shakespeare(out: Path) -> bool:
+  sources = _read(out / "shakespeare" / "SOURCES.tsv")
+  if sources is None:
+    return False
+  names = [row.split("\t")[0] for row in sources.decode("utf-8").splitlines()[1:]]
+  works = {name: _read(out / "shakespeare" / name) or b"" for name in names}
+  return _digest({"SOURCES.tsv": sources, **works}) == SHA256["shakespeare"]
+
+
+PRESENT = {"fra-eng": _has_fra_eng, "multi30k": _has_multi30k, "en-fr-test": _has_test_sets,
+           "shakespeare": _has_shakespeare}
+
+
 def _present(out: Path, name: str) -> bool:
-  """Whether `out` holds set `name` whole, each file passing the check a fetched one passes
-  (then the set is not fetched again)."""
   try:
-    if name == "fra-eng":
-      data = _read(out / "fra-eng" / "fra-eng.zip")
-      return data is not None and _sha256(_fra_eng_member(data)) == SHA256[FRA_TXT]
-    if name == "multi30k":
-      for stem, count in MULTI30K_LINES.items():
-        for lang in ("en", "fr", "de"):
-          data = _read(out / "multi30k" / f"{stem}.{lang}.gz")
-          if data is None or _multi30k_lines(f"{stem}.{lang}.gz", data) != count:
-            return False
-      return True
-    if name == "en-fr-test":
-      return all((data := _read(out / "en-fr-test" / f"{stem}.{lang}")) is not None
-                 and _sha256(data) == SHA256[f"{stem}.{lang}"]
-                 for stem in TEST_STEMS for lang in ("eng", "fra"))
-    sources = _read(out / "shakespeare" / "SOURCES.tsv")
-    if sources is None:
-      return False
-    works = {"SOURCES.tsv": sources}
-    for row in sources.decode("utf-8").splitlines()[1:]:
-      works[row.split("\t")[0]] = _read(out / "shakespeare" / row.split("\t")[0]) or b""
-    return _digest(works) == SHA256["shakespeare"]
+    return PRESENT[name](out)
   except (DownloadError, UnicodeDecodeError):
     return False  # Not the set: fetched, and then stopped at the file that differs.
 
