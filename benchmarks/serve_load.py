@@ -8,15 +8,12 @@ start-up compilation, timed), then runs `--clients` threads, each sending `--req
 of 1 to `--max_sentences` validation sources (the workdir's own split, the same requests in
 every mode) over one keep-alive connection, and stops the server with SIGTERM (its exit status
 is checked). Modes:
-  batching    the server as it ships: fixed batches, concurrent requests decoded together by
-              2 decoder threads, sentences of different widths sharing batches
-  slots       `serve --slots auto`: decoding slots that sentences enter as they come
-  one_decoder `serve --slots 0 --decoders 1`: fixed batches, one batch at a time
-  same_width  `serve --slots 0 --nojoin_widths`: fixed batches of one source width
-  nobatching  `serve --slots 0 --nobatching --decoders 1`: one request at a time
-  full_queue  `serve --max_queue Q` (a small Q): requests refused with 503 are sent again after
-              their Retry-After (scaled down by --retry_scale); every answer is checked
-Every answer is compared with the batching mode's answer to the same sentence: the table
+  default        the server as it ships (decoding slots that sentences enter as they come)
+  one_at_a_time  the same server with one client sending every client's requests in turn
+                 (one request at a time)
+  full_queue     `serve --max_queue Q` (a small Q): requests refused with 503 are sent again
+                 after their Retry-After (scaled down by --retry_scale); every answer is checked
+Every answer is compared with the first mode's answer to the same sentence: the table
 counts answers lost (never given), duplicated (given twice) and different. Sentences/s counts
 the answered sentences over the wall time of the clients; the server's GET /stats gives the
 batches it decoded (sentences a batch, padded rows).
@@ -158,6 +155,17 @@ def run_clients(port: int, plan: list[list[list[str]]], retry_scale: float = 1.0
           "errors": errors, "wall": time.monotonic() - start}
 
 
+def one_client(port: int, plan: list[list[list[str]]], retry_scale: float = 1.0,
+               deadline: float = 600, options: dict | None = None) -> dict:
+  """run_clients with every client's requests sent in turn by one client (one request at a
+  time); the answers keyed by their (client, request) in `plan` all the same."""
+  keys = [(c, r) for c in range(len(plan)) for r in range(len(plan[c]))]
+  run = run_clients(port, [[plan[c][r] for c, r in keys]], retry_scale, deadline, options)
+  run["answers"] = {keys[r]: answer for (_, r), answer in run["answers"].items()}
+  run["counts"] = collections.Counter({keys[r]: n for (_, r), n in run["counts"].items()})
+  return run
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True)
@@ -169,7 +177,7 @@ def main() -> None:
                       "1 to this many.")
   parser.add_argument("--beam_size", type=int, default=None, help="Every request's beam_size; "
                       "default: none given (the workdir's decode.beam_size).")
-  parser.add_argument("--modes", default="batching,nobatching,full_queue")  # See the modes above.
+  parser.add_argument("--modes", default="default,one_at_a_time,full_queue")  # See the modes above.
   parser.add_argument("--full_queue", type=int, default=16, help="--max_queue of the "
                       "full_queue mode, in sentences.")
   parser.add_argument("--retry_scale", type=float, default=0.05, help="A refused client waits "
@@ -189,10 +197,7 @@ def main() -> None:
   sources = [s for s in split_pairs(args.workdir, args.split)[0] if s.strip()]
   plan = requests_for(sources, args.clients, args.requests, args.max_sentences)
   sent = sum(len(r) for c in plan for r in c)
-  flags = {"batching": [], "slots": ["--slots=auto"],
-           "one_decoder": ["--slots=0", "--decoders=1"],
-           "same_width": ["--slots=0", "--nojoin_widths"],
-           "nobatching": ["--slots=0", "--nobatching", "--decoders=1"],
+  flags = {"default": [], "one_at_a_time": [],
            "full_queue": [f"--max_queue={args.full_queue}",
                           f"--max_sentences={min(args.full_queue, 64)}"]}
   results, reference = {}, None
@@ -204,8 +209,11 @@ def main() -> None:
     server = start_server(args.workdir, port, *flags[mode], *args.server_flags.split(), log=log)
     try:
       ready_s = wait_ready(server, port)
-      run = run_clients(port, plan, args.retry_scale, args.deadline,
-                        {} if args.beam_size is None else {"beam_size": args.beam_size})
+      options = {} if args.beam_size is None else {"beam_size": args.beam_size}
+      if mode == "one_at_a_time":
+        run = one_client(port, plan, args.retry_scale, args.deadline, options)
+      else:
+        run = run_clients(port, plan, args.retry_scale, args.deadline, options)
       stats = get(port, "/stats")[1]
     finally:
       status = stop_server(server)
@@ -222,7 +230,7 @@ def main() -> None:
         "p99_ms": _ms_percentile(run["latencies"], 99),
         "refused_503": run["refused"], "lost": len(expected - set(run["answers"])),
         "duplicated": sum(n - 1 for n in run["counts"].values() if n > 1),
-        "different_from_batching": sum(run["answers"][k] != reference.get(k)
+        "different_from_first_mode": sum(run["answers"][k] != reference.get(k)
                                        for k in run["answers"] if k in reference),
         "batches": stats["batches"],
         "sentences_per_batch": round(stats["sentences"] / max(stats["batches"], 1), 2),
@@ -231,10 +239,9 @@ def main() -> None:
         "server_flags": flags[mode] + args.server_flags.split()}
     results[mode] = row
     print(json.dumps(row), flush=True)
-  for mode in ("batching", "slots"):
-    if mode in results and "nobatching" in results:
-      speedup = results[mode]["sentences_per_s"] / results["nobatching"]["sentences_per_s"]
-      print(f"{mode} / one request at a time: {speedup:.2f}x sentences/s")
+  if "default" in results and "one_at_a_time" in results:
+    speedup = results["default"]["sentences_per_s"] / results["one_at_a_time"]["sentences_per_s"]
+    print(f"default / one request at a time: {speedup:.2f}x sentences/s")
   import jax  # noqa: PLC0415
   out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
          "cpu": cpu_model(), "cores": os.cpu_count(),
@@ -244,7 +251,7 @@ def main() -> None:
   for r in results.values():
     print(f"{r['mode']:<12}{r['ready_s']:>9}{r['sentences_per_s']:>9}{r['p50_ms']!s:>9}"
           f"{r['p99_ms']!s:>9}{r['sentences_per_batch']:>9}{r['refused_503']:>7}{r['lost']:>6}"
-          f"{r['duplicated']:>5}{r['different_from_batching']:>6}{r['exit_status']:>6}")
+          f"{r['duplicated']:>5}{r['different_from_first_mode']:>6}{r['exit_status']:>6}")
   if args.json:
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 

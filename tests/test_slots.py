@@ -127,6 +127,14 @@ def _counting_model(vocab=16):
       "calls": jnp.zeros((rows,), jnp.int32)}, encode=encode)
 
 
+def _wait_compiled(batcher):
+  """Until the batcher's compiling thread has made every class's programs."""
+  while batcher.shapes_done < batcher.shapes_total:
+    assert batcher.error is None
+    time.sleep(0.01)
+  assert batcher.ready
+
+
 def _watched(program, watch):
   """`program` (a ProgramStore function), calling watch(out) with each call's output."""
   def call(*args):
@@ -222,24 +230,26 @@ def test_an_ensembles_sources_encoded_in_chunks_decode_as_its_one_member_does(tr
 def test_the_servers_warm_up_compiles_every_program_its_pieces_meet():
   """A piece's width is its length rounded up to 8 and an encoder batch's its longest's
   rounded up to 4: the slots' warm-up compiles the encoder for each of those and every other
-  program, and calls the run sizes and small encoder batches once, so no request waits for a
-  program to compile."""
+  program, and calls the run sizes and small encoder batches once, so that traffic meets no
+  program still to compile once it is done."""
   from transformer_jax.serving.batcher import Kind, SlotBatcher
   store, runs = ProgramStore(None), collections.Counter()
 
-  def stream(beam_size, width):
-    decoder = slots.SlotDecoder(_counting_model(vocab=32), None, 4, width, width + 10,
-                                SPECIALS, beam_size=beam_size, programs=store)
-    for rows, run in list(decoder._runs.items()):
-      decoder._runs[rows] = _watched(
-          run, lambda out, rows=rows, width=width: runs.update([(width, rows, int(out[2]) > 0)]))
-    return streams.SlotStream(decoder)
+  decoders = {}
+
+  def stream(beam_size, width):  # One decoder a class, as the server's (Translator's cache).
+    if (beam_size, width) not in decoders:
+      decoder = decoders[beam_size, width] = slots.SlotDecoder(
+          _counting_model(vocab=32), None, 4, width, width + 10, SPECIALS, beam_size=beam_size,
+          programs=store)
+      for rows, run in list(decoder._runs.items()):
+        decoder._runs[rows] = _watched(run, lambda out, rows=rows, width=width: runs.update(
+            [(width, rows, int(out[2]) > 0)]))
+    return streams.SlotStream(decoders[beam_size, width])
 
   batcher = SlotBatcher(stream, [8, 16], max_queue=64, margin=10)
   batcher.start([(8, 1), (16, 1)])
-  while not batcher.ready:
-    assert batcher.error is None
-    time.sleep(0.01)
+  _wait_compiled(batcher)
   assert batcher.shapes_done == batcher.shapes_total == 2
   compiled = store.compiled
   # Two classes' decoders (sources of up to 8 and 16 tokens): encoder batches of 1, 2 and 4
@@ -277,10 +287,8 @@ def test_the_servers_lanes_share_a_class_and_each_answer_is_its_own():
 
   batcher = SlotBatcher(stream, [16], max_queue=64, margin=10, lanes=2)
   batcher.start([(8, 3), (16, 3)])
-  while not batcher.ready:
-    assert batcher.error is None
-    time.sleep(0.01)
-  taken.clear(), steps.clear()  # The warm-up's.
+  _wait_compiled(batcher)
+  taken.clear(), steps.clear()  # The warm-up's (on a stream of its own).
   lengths = [n for n in range(2, 17)] * 2
   jobs = [batcher.submit([([7] * (n - 1) + [SPECIALS.eos], Kind(-(-n // 8) * 8, 3, 0.6))])
           for n in lengths]

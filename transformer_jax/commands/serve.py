@@ -4,11 +4,10 @@
   curl -s localhost:8080/ready
   curl -s localhost:8080/translate -d '{"sentences": ["I lost.", "I am home."]}'
 
-The sentences of concurrent requests are decoded together, in batches of up to --batch_tokens
-rows x source tokens (sentences of different widths sharing a batch), a partial batch waiting
---max_wait_ms for more; --decoders batches are decoded at once. Every batch shape is
-compiled at start-up: GET /ready answers 200 once that is done. SIGTERM (or Ctrl-C) stops taking
-requests, answers those already taken, and exits 0.
+The sentences of concurrent requests are decoded together in decoding slots, which each
+sentence enters as it comes and leaves as its search ends (continuous batching). GET /ready
+answers 200 once what one sentence needs is compiled; the other programs compile while it
+serves. SIGTERM (or Ctrl-C) stops taking requests, answers those already taken, and exits 0.
 """
 
 from __future__ import annotations
@@ -43,30 +42,14 @@ def define_flags() -> None:
   flags.DEFINE_integer("port", 8080, "Port to listen on.")
   flags.DEFINE_list("beam_sizes", None, "Beam sizes a request may ask for, each compiled at "
                     "start-up; default: 1 and the workdir's decode.beam_size.")
-  flags.DEFINE_string("slots", "0", "0: fixed batches (--batch_size, --batch_tokens, "
-                      "--max_wait_ms, --batching, --decoders, --join_widths). Else decoding slots "
-                      "per beam size and source-width class, 'auto' (as many as suit this device "
-                      "and beam size) or a count: a request's sentences enter free slots as they "
-                      "come and leave as their searches end (continuous batching). On a CPU the "
-                      "slots' idle rows cost as much as busy ones, so few clients are served "
-                      "faster by fixed batches (docs/serving.md).")
-  flags.DEFINE_integer("lanes", 0, "With --slots: streams of slots serving each beam size and "
-                       "source-width class at once, each driven by a thread of its own; 0: as "
-                       "many as suit this device (2 on a CPU, whose cores one stream's small "
-                       "steps leave partly idle; 1 on an accelerator).")
-  flags.DEFINE_integer("batch_size", 64, "Sentences per batch at most.")
-  flags.DEFINE_integer("batch_tokens", 1024, "Sentences per batch by a budget of rows x source "
-                       "tokens (beams count as rows), up to --batch_size; 0: --batch_size.")
-  flags.DEFINE_float("max_wait_ms", 5.0, "How long a partial batch waits for more sentences.")
-  flags.DEFINE_bool("batching", True, "Join the sentences of concurrent requests into batches; "
-                    "--nobatching decodes each request as a batch of its own (one request "
-                    "at a time with --decoders 1).")
-  flags.DEFINE_integer("decoders", 2, "Batches decoded at once, each by a thread of its own: "
-                       "on a CPU a second batch uses the cores that one batch's small steps "
-                       "leave idle.")
-  flags.DEFINE_bool("join_widths", True, "Let sentences of different source widths share a "
-                    "batch (each keeps its own output limit); --nojoin_widths: one width a "
-                    "batch.")
+  flags.DEFINE_string("slots", "auto", "Decoding slots per beam size and source-width class: "
+                      "'auto' (as many as suit this device and beam size) or a count. A "
+                      "request's sentences enter free slots as they come and leave as their "
+                      "searches end (docs/serving.md).")
+  flags.DEFINE_integer("lanes", 0, "Streams of slots serving each beam size and source-width "
+                       "class at once, each driven by a thread of its own; 0: as many as suit "
+                       "this device (2 on a CPU, whose cores one stream's small steps leave "
+                       "partly idle; 1 on an accelerator).")
   flags.DEFINE_integer("max_queue", 1024, "Sentences waiting at most; a request that would "
                        "overflow the queue gets 503 with Retry-After.")
   flags.DEFINE_integer("max_connections", 512, "Open connections at most (uvicorn's "
@@ -111,20 +94,17 @@ def main(argv):
       raise ServeError(f"unexpected arguments {argv[1:]}: sentences come in requests")
     if not FLAGS.workdir:
       raise ServeError("--workdir is required")
-    for name in ("batch_size", "decoders", "max_queue", "max_connections", "max_request_bytes",
-                 "max_sentences", "max_sentence_chars"):
+    for name in ("max_queue", "max_connections", "max_request_bytes", "max_sentences",
+                 "max_sentence_chars"):
       if getattr(FLAGS, name) < 1:
         raise ServeError(f"--{name} must be at least 1, got {getattr(FLAGS, name)}")
     if FLAGS.max_queue < FLAGS.max_sentences:
       raise ServeError(f"--max_queue {FLAGS.max_queue} is below --max_sentences "
                        f"{FLAGS.max_sentences}: a full request could never be queued")
-    if FLAGS.batch_tokens < 0 or FLAGS.max_wait_ms < 0:
-      raise ServeError("--batch_tokens and --max_wait_ms must be 0 or positive")
     if FLAGS.lanes < 0:
       raise ServeError(f"--lanes must be 0 (the device's) or positive, got {FLAGS.lanes}")
-    if FLAGS.slots != "auto" and not FLAGS.slots.isdigit():
-      raise ServeError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
-                       f"{FLAGS.slots!r}")
+    if FLAGS.slots != "auto" and not (FLAGS.slots.isdigit() and int(FLAGS.slots) > 0):
+      raise ServeError(f"--slots must be 'auto' or a count of at least 1, got {FLAGS.slots!r}")
     if not FLAGS.shutdown_timeout > 0:
       raise ServeError(f"--shutdown_timeout must be positive (seconds), got "
                        f"{FLAGS.shutdown_timeout}")
@@ -153,9 +133,6 @@ def main(argv):
     default_beam = config.decode.beam_size
     settings = Settings(
         beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
-        batch_size=FLAGS.batch_size, batch_tokens=FLAGS.batch_tokens,
-        max_wait=FLAGS.max_wait_ms / 1000, join_requests=FLAGS.batching,
-        decoders=FLAGS.decoders, join_widths=FLAGS.join_widths,
         max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
         max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars,
         slots=-1 if FLAGS.slots == "auto" else int(FLAGS.slots), lanes=FLAGS.lanes)
@@ -173,7 +150,8 @@ def main(argv):
     # a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda *_: None)
-    logging.info("serving on http://%s:%d; compiling the decoder (GET /ready says when done)",
+    logging.info("serving on http://%s:%d once what one sentence needs is compiled (GET /ready "
+                 "says when)",
                  FLAGS.host, FLAGS.port)
     std_logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
     server.run(sockets=[listening])

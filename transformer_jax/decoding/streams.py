@@ -204,6 +204,16 @@ class SlotStream:
     self._active &= ~finished
     return [(int(self._item[s]), tokens[s], scores[s]) for s in np.flatnonzero(finished)]
 
+  def warm_one(self, encode_widths: Sequence[int]) -> None:
+    """Compiles (or loads) and calls what one source needs at each of `encode_widths`: the
+    encoder for one row of that width, a refill and the smallest run (a server's first
+    requests); the rest is warm_up's. Leaves the stream as it found it."""
+    d = self.decoder
+    for width in encode_widths:
+      self.put(-1, np.array([3] * (width - 1) + [d.specials.eos], np.int32), 2, d.alpha)
+      while self.busy:
+        self.advance(min_free=d.slots + 1)
+
   def warm_up(self, encode_widths: Sequence[int]) -> None:
     """Compiles (or loads) the decoder's programs (SlotDecoder.compile) and calls them once,
     the encoder's at each of `encode_widths`: a program's first call costs more than its later

@@ -1,21 +1,16 @@
-"""Dynamic batching for serving: the sentences of concurrent requests joined into decoder batches.
+"""Continuous batching for serving: the sentences of concurrent requests decoded together in
+decoding slots (decoding/slots.py), which each enters as it comes and leaves as its search ends.
 
-Requests hand in sentences as token ids (a `Piece` each); a decoder thread takes the oldest
-waiting piece and the other waiting pieces with its decoding options (beam size, alpha): those
-of its source width first, then (`join_widths`) those of other widths, up to the rows the
-batch's width (its widest piece's) allows, waiting up to `max_wait` seconds for more when
-fewer are there, and decodes them as one batch padded to the next of a few row counts (powers
-of 2). Each row keeps its own width's output limit, so what a piece is batched with does not
-change how long its output may be. `decoders` threads do this at once, each batch taking its
-share of the waiting pieces: on a CPU one batch's decoding loop leaves cores idle between its
-small steps, and a second batch fills them. Every (width, beam size, rows) shape is compiled
-before the first request is taken (`warm_up`), so no request waits on a compilation. The queue
-holds at most `max_queue` pieces: a request that would overflow it is refused whole
+Requests hand in sentences as token ids (a `Piece` each), queued by beam size and class of
+source widths; a thread per lane of each class puts them into free slots between two decoder
+steps and answers a request once its last piece is decoded. One more thread compiles the
+programs: first what one piece of each width needs (then the server is ready), then the rest
+while serving; a piece that meets a program not made yet waits for it, it is not refused. The
+queue holds at most `max_queue` pieces: a request that would overflow it is refused whole
 (`QueueFull`), so memory stays bounded.
 
-Nothing here knows the model or HTTP: `decode(src [R, W], widths [R], beam_size, alpha) ->
-(tokens [R, K, L], scores [R, K])` is the caller's, `widths` being each row's own width (at
-most W).
+Nothing here knows the model or HTTP: `stream(beam_size, width)` is the caller's, a
+streams.SlotStream over the slots of that beam size and class.
 """
 
 from __future__ import annotations
@@ -30,8 +25,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from absl import logging
 
-Decode = Callable[[np.ndarray, np.ndarray, int, float], tuple[np.ndarray, np.ndarray]]
-
 
 class QueueFull(Exception):
   """The queue has no room for a request's sentences."""
@@ -39,17 +32,6 @@ class QueueFull(Exception):
 
 class NotReady(Exception):
   """The decoder is still compiling its shapes, or is stopping."""
-
-
-def row_buckets(full: int) -> tuple[int, ...]:
-  """The row counts a batch is padded to: 1, 2, 4, 8, ... below `full`, then `full`. A padded
-  row costs as much as a real one (decoding on a CPU is compute-bound from a few rows on), so
-  a batch is never padded to more than twice its size."""
-  buckets, rows = [], 1
-  while rows < full:
-    buckets.append(rows)
-    rows *= 2
-  return (*buckets, full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,206 +94,8 @@ class Piece:
   arrived: float
 
 
-def submit(batcher: "Batcher | SlotBatcher", pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
-  """Queues one request's pieces (ids with <eos>, kind) with a batcher; raises QueueFull or
-  NotReady."""
-  job = Job(len(pieces))
-  now = time.monotonic()
-  with batcher._cond:
-    if batcher.error is not None:
-      raise NotReady(f"the decoder stopped ({batcher.error!r}); restart the server")
-    if not batcher.ready or batcher._stopping:
-      raise NotReady("stopping" if batcher._stopping else
-                     f"compiling: {batcher.shapes_done} of {batcher.shapes_total} shapes done")
-    queued = batcher.queued()
-    if queued + len(pieces) > batcher.max_queue:
-      raise QueueFull(f"{queued} sentences are waiting and this request brings {len(pieces)} "
-                      "(a line cut at its sentence ends brings one a sentence); the queue holds "
-                      f"{batcher.max_queue} (--max_queue)")
-    batcher._append([Piece(job, i, ids, kind, now) for i, (ids, kind) in enumerate(pieces)])
-    batcher._cond.notify_all()
-  return job
-
-
-class Batcher:
-  """Joins pieces into batches and decodes them on threads of its own."""
-
-  def __init__(self, decode: Decode, rows: Callable[[int, int], int], max_queue: int,
-               max_wait: float, join_requests: bool = True, decoders: int = 1,
-               join_widths: bool = True):
-    """`rows(width, beam_size)`: the most rows of a batch of that width. `join_requests`
-    False decodes one request at a time (its pieces form batches of their own). `decoders`:
-    batches decoded at once, each by a thread of its own. `join_widths` False: a batch holds
-    one source width."""
-    if decoders < 1:
-      raise ValueError(f"decoders must be at least 1, got {decoders}")
-    self._decode, self._rows = decode, rows
-    self.max_queue, self.max_wait, self.join_requests = max_queue, max_wait, join_requests
-    self.decoders, self.join_widths = decoders, join_widths
-    self._queue: collections.deque[Piece] = collections.deque()
-    self._cond = threading.Condition()
-    self._stopping = False
-    self._threads: list[threading.Thread] = []
-    self._decoding = 0  # Pieces in the batches being decoded.
-    self.shapes_total = 0
-    self.shapes_done = 0
-    self.ready = False
-    self.error: BaseException | None = None  # What stopped a decoder thread, if anything.
-    self._stats = Stats()
-
-  def start(self, kinds: Sequence[tuple[int, int]]) -> None:
-    """Starts the first decoder thread: it compiles every (width, beam size) of `kinds` at
-    every row bucket, starts the other decoder threads, then serves."""
-    shapes = [(w, k, r) for w, k in kinds for r in row_buckets(self._rows(w, k))]
-    self.shapes_total = len(shapes)
-    self._threads = [threading.Thread(target=self._main, args=(shapes,), name="decoder-0",
-                                      daemon=True)]
-    self._threads[0].start()
-
-  def stop(self) -> None:
-    """Decodes what is queued, then ends the threads (and waits for them)."""
-    with self._cond:
-      self._stopping = True
-      self._cond.notify_all()
-    for thread in list(self._threads):  # The first: it starts the others, or none once stopping.
-      thread.join()
-
-  def stats(self) -> Stats:
-    """A copy of the decoder threads' counters."""
-    with self._cond:
-      return dataclasses.replace(self._stats)
-
-  def queued(self) -> int:
-    return len(self._queue)
-
-  def submit(self, pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
-    return submit(self, pieces)
-
-  def _append(self, pieces: list[Piece]) -> None:
-    self._queue.extend(pieces)
-
-  def _main(self, shapes=None) -> None:
-    try:
-      if shapes is not None:
-        self._warm_up(shapes)
-        with self._cond:
-          if self.ready and not self._stopping:
-            for i in range(1, self.decoders):
-              thread = threading.Thread(target=self._main, name=f"decoder-{i}", daemon=True)
-              self._threads.append(thread)
-              thread.start()
-      while (batch := self._next_batch()) is not None:
-        self._run(batch)
-    except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
-      logging.exception("a decoder thread stopped")
-      with self._cond:
-        self.error = e
-        self.ready = False
-        failed = [piece.job for piece in self._queue if piece.job.claim_failure()]
-        self._queue.clear()
-      for job in failed:
-        job.future.set_exception(e)
-
-  def _warm_up(self, shapes) -> None:
-    start = time.monotonic()
-    for width, beam_size, rows in shapes:
-      if self._stopping:
-        return
-      src = np.zeros((rows, width), np.int32)
-      src[:, :2] = (3, 2)  # One token then <eos>: each row ends within a few steps.
-      self._decode(src, np.full(rows, width), beam_size, 0.6)
-      self.shapes_done += 1
-    logging.info("compiled %d decoder shapes in %.1f s; ready", len(shapes),
-                 time.monotonic() - start)
-    with self._cond:
-      self.ready = True
-
-  def _next_batch(self) -> list[Piece] | None:
-    """The next batch (waiting for it), or None once stopping with nothing queued."""
-    with self._cond:
-      while True:
-        if not self._queue:
-          if self._stopping:
-            return None
-          self._cond.wait()
-          continue
-        first = self._queue[0]
-        batch, full = self._fill(first)
-        wait = first.arrived + self.max_wait - time.monotonic()
-        if not full and wait > 0 and self.join_requests and not self._stopping:
-          self._cond.wait(wait)
-          continue
-        self._decoding += len(batch)
-        taken = set(map(id, batch))
-        self._queue = collections.deque(p for p in self._queue if id(p) not in taken)
-        return batch
-
-  def _fill(self, first: Piece) -> tuple[list[Piece], bool]:
-    """The batch `first` heads (queued pieces it may share a batch with, its width's first,
-    each in queue order, while the batch's rows allow) and whether it is full."""
-    options = (first.kind.beam_size, first.kind.alpha)
-    mates = [p for p in self._queue if (p.kind.beam_size, p.kind.alpha) == options
-             and (self.join_requests or p.job is first.job)
-             and (self.join_widths or p.kind.width == first.kind.width)]
-    mates.sort(key=lambda p: p.kind.width != first.kind.width)  # Stable: queue order kept.
-    share = self._share()
-    limit = lambda width: (self._rows(width, first.kind.beam_size) if share is None
-                           else self._bucket(width, first.kind.beam_size, share))
-    batch, width = [], 0
-    for piece in mates:
-      wider = max(width, piece.kind.width)
-      if len(batch) < limit(wider):
-        batch.append(piece)
-        width = wider
-    return batch, len(batch) == limit(width)
-
-  def _share(self) -> int | None:
-    """With several decoders, the pieces one batch should take (None: as many as fit): the
-    queued and the decoding pieces shared evenly between the decoders (a CPU decodes two
-    batches of 8 faster than one of 16). Without it, one batch would take everything and
-    leave the other decoders idle."""
-    if self.decoders == 1:
-      return None
-    return max(1, -(-(len(self._queue) + self._decoding) // self.decoders))
-
-  def _bucket(self, width: int, beam_size: int, count: int) -> int:
-    """The rows a batch of `count` pieces of this width is padded to (at most the full batch)."""
-    buckets = row_buckets(self._rows(width, beam_size))
-    return next((r for r in buckets if r >= count), buckets[-1])
-
-  def _run(self, batch: list[Piece]) -> None:
-    kind = batch[0].kind
-    width = max(p.kind.width for p in batch)
-    rows = self._bucket(width, kind.beam_size, len(batch))
-    src = np.zeros((rows, width), np.int32)
-    for i, piece in enumerate(batch):
-      src[i, :len(piece.ids)] = piece.ids
-    src[len(batch):] = src[0]  # Padding rows: copies of the first (their output is dropped).
-    widths = np.array([p.kind.width for p in batch] + [kind.width] * (rows - len(batch)))
-    start = time.monotonic()
-    try:
-      tokens, scores = self._decode(src, widths, kind.beam_size, kind.alpha)
-    except Exception as e:  # noqa: BLE001 -- a failed batch fails its requests, not the server.
-      logging.exception("decoding a batch of %d failed", len(batch))
-      with self._cond:
-        self._decoding -= len(batch)
-        failed = {id(p.job): p.job for p in batch if p.job.claim_failure()}
-      for job in failed.values():
-        job.future.set_exception(e)
-      return
-    done = []
-    with self._cond:  # Another thread may be finishing other pieces of the same jobs.
-      self._decoding -= len(batch)
-      self._stats.add(len(batch), rows, time.monotonic() - start)
-      for i, piece in enumerate(batch):
-        if piece.job.add(piece.index, (tokens[i], scores[i])):
-          done.append(piece.job)
-    for job in done:
-      job.future.set_result(job.results)
-
-
 class SlotBatcher:
-  """Batcher's interface over decoding slots (slots.py): one `SlotStream` per beam size and
+  """The server's decoder over decoding slots (slots.py): one `SlotStream` per beam size and
   class of source widths, each driven by a thread of its own (so the classes step at once, on
   a CPU's cores as on one accelerator's queue). A request's pieces enter free slots of their
   class as soon as they come, each leaving (and its request answered, once all its pieces
@@ -335,31 +119,42 @@ class SlotBatcher:
     self._cond = threading.Condition()
     self._queues: dict[tuple[int, int], collections.deque[Piece]] = {}  # By (beam, class).
     self._held: dict[tuple[int, int], list[int]] = {}  # Searches each lane holds, by class.
-    self._warmed: set[tuple[int, int]] = set()  # Classes whose programs are compiled.
     self._stopping = False
     self._threads: list[threading.Thread] = []
+    # Streams are made one at a time: the lanes and the compiling thread of a class share its
+    # decoder, which the first of them makes (the caller's `stream` may make one per call).
+    self._making = threading.Lock()
     self.shapes_total = self.shapes_done = 0
     self.ready = False
     self.error: BaseException | None = None
     self._stats = Stats()
 
-  def start(self, kinds: Sequence[tuple[int, int]]) -> None:
-    """One thread per beam size and width class of `kinds` ((width, beam size) pairs): each
-    compiles its stream's programs for the widths of its class, then serves."""
-    self.shapes_total = len(kinds)
+  def _new_stream(self, beam_size: int, width: int):
+    with self._making:
+      return self._stream(beam_size, width)
+
+  def start(self, kinds: Sequence[tuple[int, int]], first_beam: int | None = None) -> None:
+    """`lanes` threads per beam size and width class of `kinds` ((width, beam size) pairs),
+    serving at once, and one that compiles the classes' programs (`_warm_all`): ready once
+    those one sentence needs are compiled, `first_beam`'s first; the rest while serving."""
     classes = sorted({(k, self._class(w)) for w, k in kinds})
+    self.shapes_total = len(classes)
     self._queues = {key: collections.deque() for key in classes}
     self._held = {key: [0] * self.lanes for key in classes}
+    plan = {}
     for k, cls in classes:
       widths = sorted(w for w, kk in kinds if kk == k and self._class(w) == cls)
       # A piece's width is the narrowest of its beam size's kinds that holds it: the class
       # holds the pieces longer than the kind below its first.
       below = max((w for w, kk in kinds if kk == k and w < widths[0]), default=0)
-      lengths = range(below + 1, widths[-1] + 1)
+      plan[k, cls] = range(below + 1, widths[-1] + 1)
       for lane in range(self.lanes):
-        thread = threading.Thread(target=self._main, args=(k, cls, widths, lengths, lane),
-                                  name=f"slots-beam{k}-width{cls}-lane{lane}", daemon=True)
-        self._threads.append(thread)
+        self._threads.append(threading.Thread(
+            target=self._main, args=(k, cls, lane), name=f"slots-beam{k}-width{cls}-lane{lane}",
+            daemon=True))
+    order = sorted(plan, key=lambda key: (key[0] != first_beam, key))
+    self._threads.append(threading.Thread(target=self._warm_all, args=(plan, order),
+                                          name="slots-compile", daemon=True))
     for thread in self._threads:
       thread.start()
 
@@ -379,7 +174,23 @@ class SlotBatcher:
     return sum(map(len, self._queues.values()))
 
   def submit(self, pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
-    return submit(self, pieces)
+    """Queues one request's pieces (ids with <eos>, kind); raises QueueFull or NotReady."""
+    job = Job(len(pieces))
+    now = time.monotonic()
+    with self._cond:
+      if self.error is not None:
+        raise NotReady(f"the decoder stopped ({self.error!r}); restart the server")
+      if not self.ready or self._stopping:
+        raise NotReady("stopping" if self._stopping else
+                       "compiling what one sentence needs (GET /ready says when done)")
+      queued = self.queued()
+      if queued + len(pieces) > self.max_queue:
+        raise QueueFull(f"{queued} sentences are waiting and this request brings {len(pieces)} "
+                        "(a line cut at its sentence ends brings one a sentence); the queue holds "
+                        f"{self.max_queue} (--max_queue)")
+      self._append([Piece(job, i, ids, kind, now) for i, (ids, kind) in enumerate(pieces)])
+      self._cond.notify_all()
+    return job
 
   def _append(self, pieces: list[Piece]) -> None:
     for piece in pieces:
@@ -388,18 +199,13 @@ class SlotBatcher:
   def _class(self, width: int) -> int:
     return next(w for w in self.widths if width <= w)
 
-  def _main(self, beam_size: int, width: int, widths: list[int], lengths: range,
-            lane: int) -> None:
+  def _main(self, beam_size: int, width: int, lane: int) -> None:
     key = (beam_size, width)
     queue, held, pieces, number = self._queues[key], self._held[key], {}, 0
     try:
-      stream = self._stream(beam_size, width)
-      if lane == 0:
-        self._warm_up(stream, widths, lengths, key)
-      else:  # The lanes share the class's programs: the first compiles them.
-        with self._cond:
-          while key not in self._warmed and self.error is None and not self._stopping:
-            self._cond.wait()
+      # A program that traffic meets before the compiling thread made it is compiled (or
+      # loaded) by the call that needs it; the thread's, if under way, is waited for.
+      stream = self._new_stream(beam_size, width)
       slots = stream.decoder.slots
       while True:
         with self._cond:
@@ -437,20 +243,50 @@ class SlotBatcher:
       for job in jobs:
         job.future.set_exception(e)
 
-  def _warm_up(self, stream, widths: list[int], lengths: range,
-               key: tuple[int, int]) -> None:
-    """Compiles (or loads) the stream's programs before serving, and calls those traffic
-    meets first (SlotStream.warm_up): every run size, and the encoder's for the batches that
-    pieces of `lengths` tokens make (encoded in the decoder's width for their longest)."""
+  def _warm_all(self, plan: dict[tuple[int, int], range], order: list[tuple[int, int]]) -> None:
+    """Compiles (or loads) the programs of every class of `plan` ((beam size, class width) ->
+    the source lengths its pieces have), in `order`, on streams of its own (the lanes' stay
+    free for traffic): first what one piece of each encoder width needs (its encoder for one
+    row, a refill, the smallest run; SlotStream.warm_one), then ready; then each class's every
+    program (SlotStream.warm_up), counted in shapes_done."""
     start = time.monotonic()
-    stream.warm_up(sorted({stream.decoder.encode_width(n) for n in lengths}))
-    logging.info("compiled the slots of %d widths in %.1f s", len(widths),
-                 time.monotonic() - start)
-    with self._cond:
-      self.shapes_done += len(widths)
-      self._warmed.add(key)
-      self.ready = len(self._warmed) == len(self._queues)
-      self._cond.notify_all()
+    try:
+      warming = {}
+      for key in order:
+        if self._stopping:
+          return
+        warming[key] = stream = self._new_stream(*key)
+        stream.warm_one(self._encode_widths(stream, plan[key]))
+      logging.info("compiled what one sentence of each width needs in %.1f s; ready (the other "
+                   "programs compile while serving)", time.monotonic() - start)
+      with self._cond:
+        self.ready = True
+        self._cond.notify_all()
+      for key in order:
+        if self._stopping:
+          return
+        stream = warming[key]
+        stream.warm_up(self._encode_widths(stream, plan[key]))
+        with self._cond:
+          self.shapes_done += 1
+      logging.info("compiled every decoder program in %.1f s", time.monotonic() - start)
+    except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
+      logging.exception("compiling the decoder's programs failed")
+      with self._cond:
+        self.error = e
+        self.ready = False
+        jobs = [p.job for queue in self._queues.values() for p in queue
+                if p.job.claim_failure()]
+        for queue in self._queues.values():
+          queue.clear()
+        self._cond.notify_all()
+      for job in jobs:
+        job.future.set_exception(e)
+
+  @staticmethod
+  def _encode_widths(stream, lengths: range) -> list[int]:
+    """The encoder widths that pieces of `lengths` tokens are encoded in by `stream`."""
+    return sorted({stream.decoder.encode_width(n) for n in lengths})
 
   def _finish(self, pieces: dict, finished, seconds: float, rows: int) -> None:
     """Answers the pieces that `finished` (a run that held `rows` searches, in `seconds`)."""

@@ -1,12 +1,13 @@
 """A translation server over HTTP (Starlette): JSON in, translations with scores out, the
-sentences of concurrent requests decoded together (batcher.py).
+sentences of concurrent requests decoded together in decoding slots (batcher.py).
 
   POST /translate  {"sentences": [...], "beam_size": 4, "alpha": 1.0, "n_best": 2, "id": ...}
                    -> 200 {"translations": [{"text", "score"[, "n_best": [{"text", "score"}]]}],
                            "id": ...}
   GET  /health     -> 200 while the process serves
-  GET  /ready      -> 200 once every decoder shape is compiled; 503 before (with progress);
-                      "queued": the sentences waiting
+  GET  /ready      -> 200 once what one sentence needs is compiled (the rest compiles while
+                      serving: "shapes_compiled" of "shapes"); 503 before; "queued": the
+                      sentences waiting
   GET  /info       -> the model, its step and the limits
   GET  /stats      -> batches, sentences and rows decoded, and the decoders' busy seconds
 
@@ -33,10 +34,10 @@ from starlette.routing import Route
 
 from transformer_jax import errors
 from transformer_jax.decoding import platforms, sentences as sentences_lib, streams
-from transformer_jax.serving.batcher import Batcher, Kind, NotReady, QueueFull, SlotBatcher
+from transformer_jax.serving.batcher import Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import DecodeOptions, strip
-from transformer_jax.decoding.translator import Translator, batch_rows, split_to_fit
+from transformer_jax.decoding.translator import Translator, split_to_fit
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0
@@ -44,21 +45,13 @@ MAX_ALPHA = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """How the server batches and what it accepts."""
-  beam_sizes: tuple[int, ...]  # The beam sizes a request may ask for (compiled at start-up).
-  batch_size: int = 64  # Rows of a batch at most ...
-  batch_tokens: int = 1024  # ... and rows x source width (beams count as rows) at most.
-  max_wait: float = 0.005  # Seconds a partial batch waits for more sentences.
-  join_requests: bool = True  # False: one request at a time (per decoder).
-  decoders: int = 2  # Batches decoded at once.
-  join_widths: bool = True  # False: a batch holds one source width.
+  """What the server decodes with and what it accepts."""
+  beam_sizes: tuple[int, ...]  # The beam sizes a request may ask for.
   max_queue: int = 1024  # Sentences waiting, at most.
   max_request_bytes: int = 65536
   max_sentences: int = 64  # Per request.
   max_sentence_chars: int = 2000
-  # Decoding slots per beam size (slots.py): -1, as many as suit the device; 0, fixed batches
-  # (the fields above from batch_size to join_widths) instead.
-  slots: int = 0
+  slots: int = -1  # Decoding slots per beam size and width class (slots.py); -1: the device's.
   lanes: int = 0  # Streams of slots per beam size and width class; 0: the device's default.
 
 
@@ -81,18 +74,10 @@ class Service:
     beams = set(settings.beam_sizes)
     if self.defaults.long_beam_size:
       beams.add(self.defaults.long_beam_size)
-    if settings.slots:
-      lanes = settings.lanes or platforms.settings(jax.default_backend()).lanes
-      self.batcher = SlotBatcher(self._stream, translator.slot_widths, settings.max_queue,
-                                 DecodeOptions().max_len_margin, lanes=lanes)
-    else:
-      self.batcher = Batcher(self._decode, self.rows, settings.max_queue, settings.max_wait,
-                             settings.join_requests, settings.decoders, settings.join_widths)
+    lanes = settings.lanes or platforms.settings(jax.default_backend()).lanes
+    self.batcher = SlotBatcher(self._stream, translator.slot_widths, settings.max_queue,
+                               DecodeOptions().max_len_margin, lanes=lanes)
     self.kinds = [(w, k) for k in sorted(beams) for w in widths(translator.max_src_len)]
-
-  def rows(self, width: int, beam_size: int) -> int:
-    """The most sentences of a batch of this width and beam size (translate's rule)."""
-    return batch_rows(width, beam_size, self.settings.batch_size, self.settings.batch_tokens)
 
   def _stream(self, beam_size: int, width: int) -> streams.SlotStream:
     """The slots of one beam size for sources of up to `width` tokens (their count:
@@ -102,10 +87,6 @@ class Service:
       count = platforms.settings(jax.default_backend()).slots(beam_size)
     options = DecodeOptions(beam_size=beam_size, beam_stop=self.defaults.beam_stop)
     return streams.SlotStream(self.translator.slot_decoder(options, count, width))
-
-  def _decode(self, src, widths, beam_size, alpha):
-    options = DecodeOptions(beam_size=beam_size, alpha=alpha, beam_stop=self.defaults.beam_stop)
-    return self.translator.decode(src, options, widths)
 
   def parse(self, body: bytes) -> tuple[list[str], DecodeOptions, int, object]:
     """(sentences, options, n_best, id) of a request body, or BadRequest naming the problem."""
@@ -282,7 +263,7 @@ def create_app(service: Service) -> Starlette:
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
-    batcher.start(service.kinds)
+    batcher.start(service.kinds, first_beam=service.defaults.beam_size)
     try:
       yield
     finally:
