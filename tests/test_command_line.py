@@ -66,8 +66,7 @@ def test_two_servers_started_together_one_serves_one_says_why_not(trained, tmp_p
   _, workdir = trained
   port = portpicker.pick_unused_port()
   logs = [open(tmp_path / f"s{i}.log", "w") for i in range(2)]
-  # Batches of one sentence: the fewest decoder shapes to compile before /ready.
-  servers = [start_server(str(workdir), port, "--batch_size=1", log=log) for log in logs]
+  servers = [start_server(str(workdir), port, log=log) for log in logs]
   try:
     deadline = time.monotonic() + 300
     while all(s.poll() is None for s in servers) and time.monotonic() < deadline:
