@@ -345,6 +345,8 @@ def test_a_moved_run_generates_from_another_directory(lm_run, tmp_path):
     (["ROMEO.", "--temperature", "0"], "--temperature must be a positive number, got 0.0"),
     (["ROMEO.", "--temperature", "nan"], "--temperature must be a positive number, got nan"),
     (["ROMEO.", "--top_p", "1.5"], r"--top_p must be in \(0, 1\], got 1.5"),
+    (["ROMEO.", "--top_k", "100000"],
+     r"--top_k 100000 is over the run's vocabulary of \d+ tokens \(data.vocab_size\)"),
 ])
 def test_bad_generate_input_is_one_line_and_writes_nothing(lm_run, tmp_path, args, message):
   out = tmp_path / "out.jsonl"

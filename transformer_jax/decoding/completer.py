@@ -56,6 +56,10 @@ class Completer:
     whatever the other prompts are."""
     if max_new_tokens < 1:
       raise InferenceError(f"--max_new_tokens must be at least 1, got {max_new_tokens}")
+    top_k, vocab = getattr(sampler, "top_k", 0), self.tokenizer.vocab_size
+    if top_k > vocab:
+      raise InferenceError(f"--top_k {top_k} is over the run's vocabulary of {vocab} tokens "
+                           "(data.vocab_size): 0 samples from all of them")
     rows = self.encode(prompts)
     width = -(-max(map(len, rows)) // 8) * 8  # Few distinct shapes, few compilations.
     prompts_ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)

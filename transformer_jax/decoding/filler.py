@@ -65,6 +65,10 @@ class Filler:
     and their probabilities."""
     if top_k < 1:
       raise InferenceError(f"--top_k must be at least 1, got {top_k}")
+    pieces = self.tokenizer.vocab_size - UNK  # What a mask can be: _top's candidates.
+    if top_k > pieces:
+      raise InferenceError(f"--top_k {top_k} is over the {pieces} pieces a mask can be (the "
+                           "run's tokenizer, without its special tokens)")
     rows = [self.encode(text, number) for number, text in enumerate(texts, 1)]
     width = -(-max(map(len, rows)) // 8) * 8  # Few distinct shapes, few compilations.
     tokens = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
