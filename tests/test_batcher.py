@@ -45,7 +45,7 @@ def _batcher(release: threading.Event, lanes=1, max_queue=64, broken=False):
     if broken:
       made.warm_one = lambda widths: (_ for _ in ()).throw(ValueError("no such shape"))
     whole = made.warm_up
-    made.warm_up = lambda widths: (release.wait(60), whole(widths))
+    made.warm_up = lambda widths, stopping: (release.wait(60), whole(widths, stopping))
     return made
 
   batcher = SlotBatcher(stream, [8, 16], max_queue=max_queue, margin=10, lanes=lanes)

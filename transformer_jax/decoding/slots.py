@@ -205,29 +205,33 @@ class SlotDecoder:
       self.steps_run += int(steps)
       self.rows_stepped += int(steps) * rows * self.k
 
-  def compile(self, encode_widths: Sequence[int] = ()) -> None:
+  def compile(self, encode_widths: Sequence[int] = (),
+              stopping: Callable[[], bool] = lambda: False) -> bool:
     """Compiles (or loads), without running them, the programs of every run size, `feed` and
     `compact` and, given `encode_widths`, the encoder's (batches of every encoder size at each
     of those source widths) and `refill`'s: so that no search waits for one (a first translate
-    command's, for later commands; a server's before it is ready)."""
+    command's, for later commands; a server's). Stops before the next program once `stopping()`
+    (a server's SIGTERM then waits for one program, not for all); False if it stopped."""
     state = self._empty(self.params)
     shape = lambda *dims, dtype=np.int32: jax.ShapeDtypeStruct(dims, dtype)
     u = self.slots
     batch = lambda rows: jax.tree.map(lambda x: shape(rows, *x.shape[1:], dtype=x.dtype),
                                       state["sources"])  # What an encoder batch gives.
-    for run in self._runs.values():
-      run.compile(self.params, state, shape(), shape())
     queue = shape(u), shape(u), shape(u, dtype=np.float32)
-    self._feed.compile(self.params, state, batch(u), queue, shape(), shape(), shape(), shape())
-    self._compact.compile(state, shape(u))
-    if not encode_widths:
-      return
-    for rows in self.encode_sizes:
-      for width in encode_widths:
-        self._encode.compile(self.params, shape(rows, width))
+    todo = [(run, (self.params, state, shape(), shape())) for run in self._runs.values()]
+    todo += [(self._feed, (self.params, state, batch(u), queue, shape(), shape(), shape(),
+                           shape())),
+             (self._compact, (state, shape(u)))]
+    for rows in self.encode_sizes if encode_widths else ():
+      todo += [(self._encode, (self.params, shape(rows, width))) for width in encode_widths]
       if rows < u:  # A batch of every slot goes to the feed program.
-        self._refill.compile(state, batch(rows), shape(u), shape(u), shape(u),
-                             shape(u, dtype=np.float32))
+        todo.append((self._refill, (state, batch(rows), shape(u), shape(u), shape(u),
+                                    shape(u, dtype=np.float32))))
+    for program, args in todo:
+      if stopping():
+        return False
+      program.compile(*args)
+    return True
 
   # --- the compiled programs ---------------------------------------------------------------
 

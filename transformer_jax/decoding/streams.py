@@ -211,10 +211,15 @@ class SlotStream:
     d = self.decoder
     for width in encode_widths:
       self.put(-1, np.array([3] * (width - 1) + [d.specials.eos], np.int32), 2, d.alpha)
-      while self.busy:
-        self.advance(min_free=d.slots + 1)
+      self._drain()
 
-  def warm_up(self, encode_widths: Sequence[int]) -> None:
+  def _drain(self) -> None:
+    """Runs until every search put in has ended (the warm-ups' few short ones)."""
+    while self.busy:
+      self.advance(min_free=self.decoder.slots + 1)
+
+  def warm_up(self, encode_widths: Sequence[int],
+              stopping: Callable[[], bool] = lambda: False) -> None:
     """Compiles (or loads) the decoder's programs (SlotDecoder.compile) and calls them once,
     the encoder's at each of `encode_widths`: a program's first call costs more than its later
     ones (on a CPU, XLA's YNN fusions build their kernels then: 40-100 ms for an encoder's),
@@ -222,10 +227,15 @@ class SlotStream:
 
     The encoder's batches of over a quarter of the slots are left to traffic: only a load
     that fills the slots meets them, and calling each here (on 2 cores, 0.3-0.8 s for 64 and
-    128 sources of 36-64 tokens) would slow the start more than it speeds such a load."""
+    128 sources of 36-64 tokens) would slow the start more than it speeds such a load.
+
+    `stopping()` is asked between programs and calls: once it is true, this returns."""
     d = self.decoder
-    d.compile(encode_widths)
+    if not d.compile(encode_widths, stopping):
+      return
     for width in encode_widths:
+      if stopping():
+        return
       src = np.zeros((d.slots, width), np.int32)
       src[:, :2] = (3, d.specials.eos)  # A token, then <eos>.
       for rows in [rows for rows in d.encode_sizes if rows <= max(1, d.slots // 4)]:
@@ -235,10 +245,11 @@ class SlotStream:
     # at once go to the feed program, which this calls.)
     ids = np.array([3] * (min(encode_widths, default=2) - 1) + [d.specials.eos], np.int32)
     for rows in d.run_sizes:
+      if stopping():
+        return
       for n in range(rows):
         self.put(-1 - n, ids, 2, d.alpha)
-      while self.busy:
-        self.advance(min_free=d.slots + 1)
+      self._drain()
 
   def _feed(self, min_free: int, max_steps: int | None) -> list[tuple[int, Any, Any]]:
     """advance() by the decoder's feed program: the searches take the encoded batch's waiting

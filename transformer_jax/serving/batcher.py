@@ -91,7 +91,6 @@ class Piece:
   index: int  # In the job.
   ids: Sequence[int]  # Source ids with <eos>.
   kind: Kind
-  arrived: float
 
 
 class SlotBatcher:
@@ -176,7 +175,6 @@ class SlotBatcher:
   def submit(self, pieces: Sequence[tuple[Sequence[int], Kind]]) -> Job:
     """Queues one request's pieces (ids with <eos>, kind); raises QueueFull or NotReady."""
     job = Job(len(pieces))
-    now = time.monotonic()
     with self._cond:
       if self.error is not None:
         raise NotReady(f"the decoder stopped ({self.error!r}); restart the server")
@@ -188,7 +186,7 @@ class SlotBatcher:
         raise QueueFull(f"{queued} sentences are waiting and this request brings {len(pieces)} "
                         "(a line cut at its sentence ends brings one a sentence); the queue holds "
                         f"{self.max_queue} (--max_queue)")
-      self._append([Piece(job, i, ids, kind, now) for i, (ids, kind) in enumerate(pieces)])
+      self._append([Piece(job, i, ids, kind) for i, (ids, kind) in enumerate(pieces)])
       self._cond.notify_all()
     return job
 
@@ -234,14 +232,7 @@ class SlotBatcher:
                        stream.running + len(finished))
     except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
       logging.exception("a decoder thread stopped")
-      with self._cond:
-        self.error = e
-        self.ready = False
-        jobs = [p.job for p in [*pieces.values(), *queue] if p.job.claim_failure()]
-        queue.clear()
-        self._cond.notify_all()
-      for job in jobs:
-        job.future.set_exception(e)
+      self._fail(e, list(pieces.values()), [queue])
 
   def _warm_all(self, plan: dict[tuple[int, int], range], order: list[tuple[int, int]]) -> None:
     """Compiles (or loads) the programs of every class of `plan` ((beam size, class width) ->
@@ -266,22 +257,31 @@ class SlotBatcher:
         if self._stopping:
           return
         stream = warming[key]
-        stream.warm_up(self._encode_widths(stream, plan[key]))
+        stream.warm_up(self._encode_widths(stream, plan[key]), lambda: self._stopping)
+        if self._stopping:
+          return
         with self._cond:
           self.shapes_done += 1
       logging.info("compiled every decoder program in %.1f s", time.monotonic() - start)
     except BaseException as e:  # noqa: BLE001 -- kept for readiness; the thread must not die mute.
       logging.exception("compiling the decoder's programs failed")
-      with self._cond:
-        self.error = e
-        self.ready = False
-        jobs = [p.job for queue in self._queues.values() for p in queue
-                if p.job.claim_failure()]
-        for queue in self._queues.values():
-          queue.clear()
-        self._cond.notify_all()
-      for job in jobs:
-        job.future.set_exception(e)
+      self._fail(e, [], list(self._queues.values()))
+
+  def _fail(self, error: BaseException, pieces: list[Piece],
+            queues: list[collections.deque]) -> None:
+    """After `error` stopped a thread: the server unready (GET /health says why), and the
+    requests of `pieces` (a lane's in its slots) and of the pieces waiting in `queues` failed
+    with it."""
+    with self._cond:
+      self.error = error
+      self.ready = False
+      jobs = [p.job for p in [*pieces, *(p for queue in queues for p in queue)]
+              if p.job.claim_failure()]
+      for queue in queues:
+        queue.clear()
+      self._cond.notify_all()
+    for job in jobs:
+      job.future.set_exception(error)
 
   @staticmethod
   def _encode_widths(stream, lengths: range) -> list[int]:
