@@ -37,14 +37,10 @@ def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def our_outputs(workdir: Path, *ids: np.ndarray) -> np.ndarray:
   """The workdir's model (the parameters it decodes with) on [B, T] ids (0 = padding; a
   translation model: sources and decoder inputs): logits, float32."""
-  from transformer_jax import sharding
-  from transformer_jax.models import trained
-  from transformer_jax.workdir import Workdir
-  run = Workdir(workdir)
-  config, _, model = trained.open_run(run)
-  key = "ema_params" if config.step.ema_decay > 0 else "params"
-  _, params = trained.read_params(run, model, sharding.make_mesh((-1, 1, 1)), key)
-  return np.asarray(jax.jit(model.apply)({"params": params}, *(x.astype(np.int32) for x in ids)))
+  from transformer_jax.decoding import restore
+  run = restore.restore(workdir)
+  return np.asarray(jax.jit(run.model.apply)({"params": run.params},
+                                             *(x.astype(np.int32) for x in ids)))
 
 
 def their_outputs(out: Path, cls: str, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -296,7 +296,8 @@ def test_fine_tuning_takes_the_encoder_and_starts_the_head_afresh(mlm_run):
   """finetune.start_from in this process: the encoder equals the pretrained run's, bit for bit;
   the head is the fresh state's; the masked-LM head is not carried over."""
   from transformer_jax import sharding
-  from transformer_jax.models import build, trained
+  from transformer_jax.decoding import restore as trained
+  from transformer_jax.models import build
   from transformer_jax.training import finetune
   from transformer_jax.workdir import Workdir
   source = Workdir(mlm_run)

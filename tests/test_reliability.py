@@ -25,7 +25,7 @@ from tests.conftest import DATA, ROOT
 from transformer_jax import checkpoint, sharding
 from transformer_jax.training import steps as step_lib, trainer
 from transformer_jax.training.average import state_of
-from transformer_jax.models.trained import open_run
+from transformer_jax.decoding.restore import open_run
 from transformer_jax.workdir import Workdir, WorkdirError
 from transformer_jax.decoding.translator import Translator
 

@@ -10,7 +10,7 @@
     writer.lock          while a run writes the workdir: held by it (its process and host inside)
 
 train.py resumes from one (training/resume.py checks it first); translate, average, visualize
-and the AOT tools open one (models/trained.py).
+and the AOT tools open one (decoding/restore.py).
 """
 
 from __future__ import annotations

@@ -11,11 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from transformer_jax import sharding
 from transformer_jax.data.tokenizer import BOS
 from transformer_jax.decoding.generation import InferenceError
-from transformer_jax.models import trained
-from transformer_jax.workdir import Workdir
+from transformer_jax.decoding import restore
 
 ROWS = 64  # Texts a call of the model reads.
 
@@ -24,15 +22,10 @@ class Classifier:
   """Restores a workdir's classifier and labels texts."""
 
   def __init__(self, workdir: str | Path, step: int | None = None):
-    run = Workdir(workdir)
-    run.check_family("classifier", "classify")
-    config, tokenizers, self.model = trained.open_run(run)
-    self.labels = run.labels()
-    self.tokenizer, self.max_len = tokenizers.tgt, config.data.max_len
-    self.step, self.params = trained.read_params(run, self.model, sharding.make_mesh((-1, 1, 1)),
-                                                 "ema_params" if config.step.ema_decay > 0
-                                                 else "params", step)
-    logging.info("Restored step %d from %s", self.step, run.checkpoints)
+    run = restore.restore(workdir, "classifier", "classify", step)
+    self.model, self.step, self.params = run.model, run.step, run.params
+    self.labels = run.run.labels()
+    self.tokenizer, self.max_len = run.tokenizers.tgt, run.config.data.max_len
 
   @functools.partial(jax.jit, static_argnums=0)
   def _probabilities(self, params, tokens):

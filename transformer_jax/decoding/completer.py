@@ -10,28 +10,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
-from transformer_jax import sharding
-from transformer_jax.decoding import search
 from transformer_jax.data.tokenizer import BOS, EOS
+from transformer_jax.decoding import restore, search
 from transformer_jax.decoding.generation import InferenceError, continue_prompts
-from transformer_jax.models import trained
-from transformer_jax.workdir import Workdir
 
 
 class Completer:
   """Restores a workdir's language model and continues prompts."""
 
   def __init__(self, workdir: str | Path, step: int | None = None):
-    run = Workdir(workdir)
-    run.check_family("decoder_only", "generate")
-    config, tokenizers, self.model = trained.open_run(run)
-    self.config, self.tokenizer, self.max_len = config, tokenizers.tgt, config.data.max_len
-    self.step, self.params = trained.read_params(run, self.model, sharding.make_mesh((-1, 1, 1)),
-                                             "ema_params" if config.step.ema_decay > 0
-                                             else "params", step)
-    logging.info("Restored step %d from %s", self.step, run.checkpoints)
+    run = restore.restore(workdir, "decoder_only", "generate", step)
+    self.model, self.step, self.params, self.config = run.model, run.step, run.params, run.config
+    self.tokenizer, self.max_len = run.tokenizers.tgt, run.config.data.max_len
 
   @functools.partial(jax.jit, static_argnums=(0, 4, 5))
   def _continue(self, params, prompts, lengths, max_new, sampler, rng):

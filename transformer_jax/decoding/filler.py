@@ -10,13 +10,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
-from transformer_jax import sharding
 from transformer_jax.data.tokenizer import UNK
 from transformer_jax.decoding.generation import InferenceError
-from transformer_jax.models import build, trained
-from transformer_jax.workdir import Workdir
+from transformer_jax.decoding import restore
+from transformer_jax.models import build
 
 MASK = "[MASK]"
 
@@ -25,15 +23,10 @@ class Filler:
   """Restores a workdir's masked language model and fills the masks of texts."""
 
   def __init__(self, workdir: str | Path, step: int | None = None):
-    run = Workdir(workdir)
-    run.check_family("encoder_only", "fill")
-    config, tokenizers, self.model = trained.open_run(run)
-    self.tokenizer, self.max_len = tokenizers.tgt, config.data.max_len
+    run = restore.restore(workdir, "encoder_only", "fill", step)
+    self.model, self.step, self.params = run.model, run.step, run.params
+    self.tokenizer, self.max_len = run.tokenizers.tgt, run.config.data.max_len
     self.mask_id = build.mask_id(self.tokenizer.vocab_size)
-    self.step, self.params = trained.read_params(run, self.model, sharding.make_mesh((-1, 1, 1)),
-                                                 "ema_params" if config.step.ema_decay > 0
-                                                 else "params", step)
-    logging.info("Restored step %d from %s", self.step, run.checkpoints)
 
   def encode(self, text: str, number: int) -> list[int]:
     """The ids of a text, the mask id at each `[MASK]`; an error naming text `number` where it

@@ -19,13 +19,12 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from transformer_jax import errors, sharding
-from transformer_jax.decoding import platforms, sentences, slots, streams
+from transformer_jax import errors
+from transformer_jax.decoding import platforms, restore, sentences, slots, streams
 from transformer_jax.data.catalog import DATASETS
 from transformer_jax.decoding.generation import (SPECIALS, DecodeOptions, InferenceError,
                                                  encode_sources, scored, slot_model, strip)
 from transformer_jax.programs import ProgramStore
-from transformer_jax.models import trained
 from transformer_jax.workdir import Workdir
 
 
@@ -52,8 +51,9 @@ class Translator:
       if tokenizers and not Workdir(path).tokenizers().same_as(tokenizers[0]):
         raise InferenceError(f"{path} has another vocabulary than {workdirs[0]}: an ensemble "
                              "needs the same tokenizer in every workdir")
-      config, tok, model, member_step, member_params, uses_ema = _restore(path, step, ema,
-                                                                          programs)
+      member = restore.restore(path, "encoder_decoder", "translate", step, ema, programs)
+      config, tok, model = member.config, member.tokenizers, member.model
+      member_step, member_params, uses_ema = member.step, member.params, member.uses_ema
       if not models:
         self.config, self.tokenizers, self.uses_ema = config, tok, uses_ema
       models.append(model)
@@ -196,22 +196,6 @@ class Translator:
     tokens, scores = self.decode(src, options)
     return [[(float(scores[i, j]), self.tokenizers.tgt.decode(strip(tokens[i, j])))
              for j in range(n)] for i in range(len(sentences))]
-
-
-def _restore(workdir, step: int | None, ema: bool, programs: ProgramStore):
-  """(config, tokenizers, model, step, params, uses_ema) of one workdir: its parameters (not
-  the optimizer state) onto this machine's devices (the model's abstract parameters kept in
-  `programs`)."""
-  run = Workdir(workdir)
-  run.check_family("encoder_decoder", "translate")
-  config, tokenizers, model = trained.open_run(run)
-  uses_ema = ema and config.step.ema_decay > 0
-  key = "ema_params" if uses_ema else "params"
-  step, params = trained.read_params(run, model, sharding.make_mesh((-1, 1, 1)), key, step,
-                                 programs)
-  logging.info("Restored step %d from %s (%s)", step, run.checkpoints,
-               "the parameters' moving average" if uses_ema else "the parameters")
-  return config, tokenizers, model, step, params, uses_ema
 
 
 def translate_lines(translator: Translator, lines: list[str], options: DecodeOptions,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from transformer_jax import config as config_lib
 from transformer_jax.models import embedding
@@ -52,3 +53,36 @@ def build_model(cfg: TransformerConfig):
     return SequenceClassifier(cfg)
   return {"decoder_only": LanguageModel, "encoder_only": MaskedLanguageModel}.get(
       cfg.family, Transformer)(cfg)
+
+
+def abstract_params(model: Transformer | LanguageModel):
+  """The model's parameters as shapes and dtypes, still boxed with their logical axis names
+  (the checkpointer turns those into shardings); nothing runs."""
+  dummy = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  inputs = (dummy, dummy) if model.cfg.family == "encoder_decoder" else (dummy,)
+  # The key is made inside, so that nothing here runs (each op run eagerly is a program to
+  # compile or load).
+  return jax.eval_shape(lambda *x: model.init(jax.random.PRNGKey(0), *x), *inputs)["params"]
+
+
+def layer_params(params, prefix: str, count: int) -> list[dict]:
+  """Each layer's parameters, as unscanned models name them (encoder_0, ...), from either stack
+  (a scanned one holds [layers, ...] arrays): what exports read layer by layer."""
+  if f"{prefix}_stack" in params:
+    stacked = params[f"{prefix}_stack"]["layers"]["block"]
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
+  return [params[f"{prefix}_{i}"] for i in range(count)]
+
+
+def scanned_like(params: dict, template) -> dict:
+  """`params` named as an unscanned model's (encoder_0, ...), in `template`'s layout: where it
+  holds a scanned stack, the layers stacked into its [layers, ...] arrays (`layer_params`
+  backwards)."""
+  params = dict(params)
+  for prefix in ("encoder", "decoder"):
+    if f"{prefix}_stack" in template:
+      count = sum(1 for name in params if name.startswith(f"{prefix}_") and name[-1].isdigit())
+      layers = [params.pop(f"{prefix}_{i}") for i in range(count)]
+      params[f"{prefix}_stack"] = {"layers": {"block": jax.tree.map(
+          lambda *x: jnp.stack(x), *layers)}}
+  return params

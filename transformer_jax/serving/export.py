@@ -37,7 +37,7 @@ from transformer_jax.data.tokenizer import BOS, EOS, PAD, SPM_FILE, UNK, Sentenc
 from transformer_jax.errors import UserError
 from transformer_jax.models.transformer import sinusoidal_positions
 from transformer_jax.decoding.translator import Translator
-from transformer_jax.models import trained
+from transformer_jax.models import build
 from transformer_jax.serving import huggingface
 from transformer_jax.workdir import Workdir
 
@@ -135,12 +135,12 @@ def _to_ctranslate2(translator: Translator, out: Path, quantization: str | None)
   if cfg.pre_ln:
     _norm(spec.encoder.layer_norm, params["encoder_norm"])
     _norm(spec.decoder.layer_norm, params["decoder_norm"])
-  encoder = trained.layer_params(params, "encoder", cfg.num_encoder_layers)
+  encoder = build.layer_params(params, "encoder", cfg.num_encoder_layers)
   for layer, p in zip(spec.encoder.layer, encoder):
     _attention(layer.self_attention, p["self_attention"], ("query", "key", "value"))
     _norm(layer.self_attention.layer_norm, p["attention_sublayer"]["norm"])
     _ffn(layer.ffn, p)
-  decoder = trained.layer_params(params, "decoder", cfg.num_decoder_layers)
+  decoder = build.layer_params(params, "decoder", cfg.num_decoder_layers)
   for layer, p in zip(spec.decoder.layer, decoder):
     _attention(layer.self_attention, p["self_attention"], ("query", "key", "value"))
     _norm(layer.self_attention.layer_norm, p["self_attention_sublayer"]["norm"])

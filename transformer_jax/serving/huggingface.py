@@ -48,10 +48,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from transformer_jax import fs, sharding
+from transformer_jax import fs
 from transformer_jax.data.tokenizer import (BOS, EOS, NEW, PAD, UNK, HuggingFaceTokenizer,
                                             SentencePiece)
-from transformer_jax.models import build, huggingface, trained
+from transformer_jax.decoding import restore
+from transformer_jax.models import build, huggingface
 from transformer_jax.models.transformer import sinusoidal_positions
 from transformer_jax.workdir import Workdir
 
@@ -120,7 +121,7 @@ def _gpt2(cfg, params) -> tuple[dict, dict]:
   d, root = cfg.d_model, float(np.sqrt(cfg.d_model))
   w = {"transformer.wte.weight": _np(params["embed"]["embedding"]) * root,
        "transformer.wpe.weight": _position_table(cfg, params)}
-  for i, layer in enumerate(trained.layer_params(params, "decoder", cfg.num_decoder_layers)):
+  for i, layer in enumerate(build.layer_params(params, "decoder", cfg.num_decoder_layers)):
     a, h = _attention(layer["self_attention"], d), f"transformer.h.{i}"
     w[f"{h}.ln_1.weight"], w[f"{h}.ln_1.bias"] = _norm(layer["self_attention_sublayer"]["norm"])
     w[f"{h}.attn.c_attn.weight"] = np.concatenate(  # Conv1D: [in, out], q | k | v.
@@ -151,7 +152,7 @@ def _bert(cfg, params, labels: tuple[str, ...]) -> tuple[dict, dict]:
        f"{e}.position_embeddings.weight": _position_table(cfg, params),
        f"{e}.token_type_embeddings.weight": np.zeros((1, d), np.float32)}
   w[f"{e}.LayerNorm.weight"], w[f"{e}.LayerNorm.bias"] = _norm(params["embed_norm"])
-  for i, layer in enumerate(trained.layer_params(params, "encoder", cfg.num_encoder_layers)):
+  for i, layer in enumerate(build.layer_params(params, "encoder", cfg.num_encoder_layers)):
     a, h = _attention(layer["self_attention"], d), f"bert.encoder.layer.{i}"
     for name in ("query", "key", "value"):  # torch Linear: [out, in].
       w[f"{h}.attention.self.{name}.weight"] = a[f"{name}_kernel"].T.copy()
@@ -223,7 +224,7 @@ def _marian(cfg, params) -> tuple[dict, dict]:
                                                  ("encoder_attn", "cross_attention",
                                                   "cross_attention_sublayer"))))
   for stack, count, attentions in stacks:
-    for i, layer in enumerate(trained.layer_params(params, stack, count)):
+    for i, layer in enumerate(build.layer_params(params, stack, count)):
       h = f"model.{stack}.layers.{i}"
       for theirs, attention, sublayer in attentions:
         _bart_attention(w, f"{h}.{theirs}", layer[attention], d)
@@ -346,15 +347,10 @@ def _normalizer_spec(sp: SentencePiece) -> dict:
 def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
   """Writes the model of `workdir` (its newest checkpoint that verifies, or `step`) into the
   new directory `output` (export.py has checked both, and `refusal`)."""
-  run = Workdir(workdir)
-  kind = run.model_kind()
-  config, tokenizers, model = trained.open_run(run)
-  cfg = model.cfg
-  step, params = trained.read_params(run, model, sharding.make_mesh((-1, 1, 1)),
-                                     "ema_params" if config.step.ema_decay > 0 else "params",
-                                     step)
-  params = jax.device_get(params)
-  labels = run.labels()
+  restored = restore.restore(workdir, step=step)
+  kind, labels = restored.run.model_kind(), restored.run.labels()
+  cfg, tokenizers, step = restored.model.cfg, restored.tokenizers, restored.step
+  params = jax.device_get(restored.params)
   if kind == "decoder_only":
     weights, hf_config = _gpt2(cfg, params)
   elif kind == "encoder_decoder":

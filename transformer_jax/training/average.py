@@ -23,7 +23,7 @@ from absl import logging
 from transformer_jax import checkpoint, errors, fs, sharding
 from transformer_jax.training import steps as step_lib
 from transformer_jax.errors import UserError
-from transformer_jax.models.trained import Opened, open_run
+from transformer_jax.decoding.restore import Opened, open_run
 from transformer_jax.workdir import Workdir
 
 

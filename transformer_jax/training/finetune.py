@@ -23,8 +23,8 @@ from absl import logging
 
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
-from transformer_jax.models import build, huggingface, trained
-from transformer_jax.models.trained import open_run, read_params
+from transformer_jax.decoding import restore
+from transformer_jax.models import build, huggingface
 from transformer_jax.workdir import Workdir
 
 # Model fields that change what is computed but not the parameters' names or shapes.
@@ -100,14 +100,13 @@ def start_from(state, source: Workdir | huggingface.Checkpoint, model, mesh, sha
   this model lacks (the masked-LM head) are left out, both logged."""
   if isinstance(source, huggingface.Checkpoint):
     taken = source.params(model.cfg, source.tokenizers().tgt)
-    taken = trained.scanned_like(taken, state.params)
+    taken = build.scanned_like(taken, state.params)
     origin = f"the weights of {source.path} ({source.architecture})"
   else:
-    saved = source.load_config()
-    key = "ema_params" if saved.step.ema_decay > 0 else "params"
-    step, taken = read_params(source, open_run(source).model, mesh, key)
-    origin = (f"the {'moving average of the ' if key == 'ema_params' else ''}parameters of "
-              f"step {step} of {source.path}")
+    restored = restore.restore(source.path, mesh=mesh)
+    taken = restored.params
+    origin = (f"the {'moving average of the ' if restored.uses_ema else ''}parameters of "
+              f"step {restored.step} of {source.path}")
   params = dict(state.params)
   for name in params.keys() & taken.keys():
     ours, theirs = (jax.tree.map(lambda x: (x.shape, x.dtype), t)
