@@ -137,7 +137,7 @@ def smoke_config(tfds_dir, cache_dir):
 
 def tiny_model_config(**overrides):
   """One tiny model for all model, sharding and step tests."""
-  from transformer_jax.models.transformer import TransformerConfig
+  from transformer_jax.models.common import TransformerConfig
   kwargs = dict(src_vocab_size=128, tgt_vocab_size=128, d_model=32, num_heads=4, ffn_dim=64,
                 num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
                 share_embeddings=False, tie_output=False, attention_impl="xla")

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import common, profile_step, train_step
 from tests.conftest import ROOT
-from transformer_jax.models.transformer import TransformerConfig
+from transformer_jax.models.common import TransformerConfig
 
 
 def test_model_flops_follows_the_documented_formula():

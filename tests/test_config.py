@@ -148,7 +148,7 @@ def test_a_damaged_config_json_of_a_resumed_run_is_one_error(tmp_path):
 
 def test_each_section_is_the_dataclass_its_subsystem_uses():
   from transformer_jax.data import pipeline
-  from transformer_jax.models import transformer as model_lib
+  from transformer_jax.models import common as model_lib
   from transformer_jax.training import steps as step_lib
   assert pipeline.DataConfig is config_lib.DataConfig
   assert step_lib.OptimizerConfig is config_lib.OptimizerConfig

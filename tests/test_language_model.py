@@ -12,7 +12,8 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax.config import ConfigError
-from transformer_jax.models.transformer import LanguageModel, TransformerConfig
+from transformer_jax.models.common import TransformerConfig
+from transformer_jax.models.transformer import LanguageModel
 from tests.conftest import DATA
 
 VOCAB, MAX_LEN = 64, 24

@@ -186,7 +186,8 @@ def test_the_tokenizer_and_caches_are_reused(shakespeare, tmp_path):
 # Generation.
 
 def _lm(max_len=24):
-  from transformer_jax.models.transformer import LanguageModel, TransformerConfig
+  from transformer_jax.models.common import TransformerConfig
+  from transformer_jax.models.transformer import LanguageModel
   section = config_lib.ModelConfig(family="decoder_only", num_encoder_layers=0,
                                    num_decoder_layers=2, d_model=32, num_heads=4, ffn_dim=64,
                                    dropout_rate=0.0, pre_ln=True, positions="learned")

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_model_config
-from transformer_jax.models.transformer import (Transformer, TransformerConfig,
-                                                sinusoidal_positions, tied_logits)
+from transformer_jax.models.common import (TransformerConfig, sinusoidal_positions,
+                                           tied_logits)
+from transformer_jax.models.transformer import Transformer
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 
@@ -173,7 +174,7 @@ def test_tied_logits_custom_gradient_equals_autodiff():
 
 
 def test_auto_attention_picks_xla_off_gpu_and_keeps_an_explicit_choice():
-  from transformer_jax.models.transformer import attention_impl
+  from transformer_jax.models.attention import attention_impl
   expected = "cudnn" if jax.default_backend() == "gpu" else "xla"
   assert attention_impl("auto", "bfloat16", 64) == expected
   assert attention_impl("auto", "float32", 64) == "xla"  # cuDNN's fused kernel: 16-bit only.

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 
 from transformer_jax import config as config_lib
 from transformer_jax.models import embedding
+from transformer_jax.models.attention import attention_impl
+from transformer_jax.models.common import TransformerConfig
 from transformer_jax.models.transformer import (LanguageModel, MaskedLanguageModel,
-                                                SequenceClassifier, Transformer,
-                                                TransformerConfig, attention_impl)
+                                                SequenceClassifier, Transformer)
 
 
 def padded_vocab(size: int, multiple: int = 128) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transformer_jax.models.transformer import TransformerConfig
+from transformer_jax.models.common import TransformerConfig
 
 # Dense bfloat16 peak FLOP/s of one device, by a part of jax's device_kind (vendor data sheets).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12,

@@ -35,7 +35,7 @@ from transformer_jax import fs
 from transformer_jax.decoding import generation
 from transformer_jax.data.tokenizer import BOS, EOS, PAD, SPM_FILE, UNK, SentencePiece
 from transformer_jax.errors import UserError
-from transformer_jax.models.transformer import sinusoidal_positions
+from transformer_jax.models.common import sinusoidal_positions
 from transformer_jax.decoding.translator import Translator
 from transformer_jax.models import build
 from transformer_jax.serving import huggingface

@@ -53,7 +53,7 @@ from transformer_jax.data.tokenizer import (BOS, EOS, NEW, PAD, UNK, HuggingFace
                                             SentencePiece)
 from transformer_jax.decoding import restore
 from transformer_jax.models import build, huggingface
-from transformer_jax.models.transformer import sinusoidal_positions
+from transformer_jax.models.common import sinusoidal_positions
 from transformer_jax.workdir import Workdir
 
 MASK_TOKEN = "[MASK]"
