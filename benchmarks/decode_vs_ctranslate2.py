@@ -5,7 +5,7 @@
       --reference data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng.fra \
       --json benchmarks/results/NAME.json
 
-The workdir is exported to CTranslate2 (`transformer_jax.serving.export`, float32) and loaded as
+The workdir is exported to CTranslate2 (`transformer_jax.interop.export`, float32) and loaded as
 float32 and as int8 (CTranslate2 quantizes on load). Every engine translates every source whole (no
 sentence splitting), greedy and with beam 4, on the same number of threads (`--threads`: XLA's
 CPU thread pool and CTranslate2's intra_threads). A first pass of each engine and mode is a
@@ -113,7 +113,7 @@ def main():
         engines[name] = None
         continue
       import ctranslate2
-      from transformer_jax.serving import export
+      from transformer_jax.interop import export
       if not (Path(tmp) / "ct2").exists():
         export.export(args.workdir, "ctranslate2", Path(tmp) / "ct2")
       engines[name] = ctranslate2.Translator(str(Path(tmp) / "ct2"), device="cpu",

@@ -13,7 +13,7 @@ naming the field. `configs/huggingface_shakespeare.py:CHECKPOINT,smoke` runs a f
 """
 
 from transformer_jax.config import base_config, check, smoke
-from transformer_jax.models.huggingface import Checkpoint
+from transformer_jax.interop.huggingface import Checkpoint
 
 
 def get_config(arg=None):

@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 
 def export(workdir: Path, out: Path) -> Path:
   """`export --to huggingface` in this process (the command's own errors: export_command)."""
-  from transformer_jax.serving import export as export_lib
+  from transformer_jax.interop import export as export_lib
   return export_lib.export(workdir, "huggingface", out)
 
 

@@ -12,7 +12,7 @@ import pytest
 from tests import exported
 from tests.conftest import DATA, ROOT
 from transformer_jax.decoding import generation
-from transformer_jax.serving import export
+from transformer_jax.interop import jax_export
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip
 from transformer_jax.decoding.translator import Translator, split_pairs
@@ -86,14 +86,14 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
   # A fresh interpreter given only the exported directory and the runner module.
   runner = tmp_path / "runner"
   runner.mkdir()
-  (runner / "transformer_jax" / "serving").mkdir(parents=True)
+  (runner / "transformer_jax" / "interop").mkdir(parents=True)
   # The packages' __init__ files import nothing.
-  for name in ("__init__.py", "serving/__init__.py", "serving/exported.py"):
+  for name in ("__init__.py", "interop/__init__.py", "interop/jax_export.py"):
     shutil.copy(ROOT / "transformer_jax" / name, runner / "transformer_jax" / name)
   sentences = validation[:24]
   script = (
       "import json, sys\n"
-      "from transformer_jax.serving.exported import ExportedTranslator\n"
+      "from transformer_jax.interop.jax_export import ExportedTranslator\n"
       f"t = ExportedTranslator({str(out)!r})\n"
       f"lines = {sentences!r}\n"
       "out = {'greedy': t.translate(lines), 'beam': t.translate(lines, beam=True),\n"
@@ -104,11 +104,11 @@ def test_an_exported_jax_decoder_translates_in_a_process_without_the_model_code(
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   got = json.loads(done.stdout.splitlines()[-1])
-  assert got["modules"] == ["transformer_jax", "transformer_jax.serving",
-                            "transformer_jax.serving.exported"]
+  assert got["modules"] == ["transformer_jax", "transformer_jax.interop",
+                            "transformer_jax.interop.jax_export"]
 
   translator = Translator(workdir)
-  width = export.source_widths(translator.max_src_len)[0]
+  width = jax_export.source_widths(translator.max_src_len)[0]
   src = encode_sources(translator.tokenizers.src, sentences, translator.max_src_len, width=width)
   for key, beam in (("greedy", 1), ("beam", 3)):
     tokens = translator.decode(src, DecodeOptions(beam_size=beam, alpha=0.6,

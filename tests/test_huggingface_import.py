@@ -18,7 +18,8 @@ from tests.conftest import DATA, ROOT
 from transformer_jax import config as config_lib, sharding
 from transformer_jax.data.tokenizer import BOS, EOS, HF_FILE, PAD, HuggingFaceTokenizer, Tokenizers
 from transformer_jax.errors import UserError
-from transformer_jax.models import build, huggingface
+from transformer_jax.interop import huggingface
+from transformer_jax.models import build
 from transformer_jax.training import checks, finetune, steps as step_lib, trainer
 
 TRAINING_WORKS = ("hamlet", "macbeth", "othello", "twelfth_night", "tempest")
@@ -274,7 +275,7 @@ def test_a_shape_that_disagrees_is_one_line_and_writes_nothing(checkpoints, tmp_
   c = _config(bad, tfds_dir, cache_dir)
   with pytest.raises(huggingface.CheckpointError) as error:
     trainer.train_and_evaluate(c, str(workdir))
-  assert str(error.value) == (f"{bad}: h.0.mlp.c_fc.weight is [32, 128], and this config "
+  assert str(error.value) == (f"{bad}: transformer.h.0.mlp.c_fc.weight is [32, 128], and this config "
                               "needs [32, 100]")
   assert not workdir.exists()
   # Without its tokenizer file.

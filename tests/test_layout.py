@@ -65,8 +65,9 @@ def test_the_package_has_no_import_cycle():
 
 # The package's layers, lowest first: a module imports from its own layer or a lower one only.
 # The root holds shared plumbing (config, workdir, checkpoint, programs, errors, fs, sharding,
-# metrics); training sits above decoding, as it evaluates BLEU and compiles translate's decoder.
-LAYERS = ("root", "data", "models", "decoding", "training", "serving", "commands")
+# metrics); training sits above decoding, as it evaluates BLEU and compiles translate's decoder,
+# and above interop, as a run may start from a Hugging Face checkpoint.
+LAYERS = ("root", "data", "models", "decoding", "interop", "training", "serving", "commands")
 # A run's files include its tokenizer: the workdir reads it (data.tokenizer imports only errors).
 ALLOWED_UPWARD = {("transformer_jax.workdir", "transformer_jax.data.tokenizer")}
 
@@ -117,7 +118,7 @@ def test_every_workdir_path_is_spelled_in_workdir_py():
         spelled.setdefault(node.value, set()).add(path.relative_to(ROOT).as_posix())
   # The Hugging Face export writes that format's own config.json, not a workdir's.
   assert spelled == {"config.json": {"transformer_jax/workdir.py",
-                                     "transformer_jax/models/huggingface.py"},
+                                     "transformer_jax/interop/huggingface.py"},
                      "checkpoints": {"transformer_jax/workdir.py"},
                      "jax_cache": {"transformer_jax/workdir.py"}}
 
@@ -130,14 +131,14 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
            "transformer_jax.decoding.generation": "InferenceError",
            "transformer_jax.training.average": "AverageError",
            "transformer_jax.training.targets": "AotError",
-           "transformer_jax.serving.export": "ExportError",
+           "transformer_jax.interop.export": "ExportError",
            "transformer_jax.training.finetune": "InitFromError",
            "transformer_jax.commands.serve": "ServeError",
            "transformer_jax.training.steps": "NonFiniteError",
            "transformer_jax.fs": "NotWritableError",
            "transformer_jax.checkpoint": "CheckpointDamagedError",
            "transformer_jax.data.tokenizer": "TokenizerError",
-           "transformer_jax.models.huggingface": "CheckpointError",
+           "transformer_jax.interop.huggingface": "CheckpointError",
            "transformer_jax.data.packing": "NoPairsError",
            "transformer_jax.data.documents": "NoDocumentsError",
            "transformer_jax.data.pipeline": "LabelsError",

@@ -149,7 +149,7 @@ class WordVocab:
 # special tokens elsewhere (BERT: [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103; GPT-2:
 # <|endoftext|> 50256 and nothing else), so its ids are renumbered once, on import, and every
 # table indexed by token id (the embeddings, BERT's output bias) is permuted the same way
-# (models/huggingface.py):
+# (interop/huggingface.py):
 #
 #   ids 0-3   the checkpoint's pad, start, end and unknown tokens (BERT's [CLS] starts a text and
 #             [SEP] ends it; GPT-2's <|endoftext|> ends a document); a role the checkpoint has no

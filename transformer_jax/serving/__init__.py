@@ -1,1 +1,1 @@
-"""Serving a trained model: the HTTP server and its batcher, and export to other runtimes."""
+"""Serving a trained model: the HTTP server and its scheduler of decoding slots."""

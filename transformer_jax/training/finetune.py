@@ -9,7 +9,7 @@ parameters taken are the ones the other run decodes with: its moving average whe
 Once the new run has a checkpoint of its own, it resumes from that, and `init_from` is not read
 again.
 
-`init_from` may also name a local Hugging Face checkpoint of GPT-2 or BERT (models/huggingface.py):
+`init_from` may also name a local Hugging Face checkpoint of GPT-2 or BERT (interop/huggingface.py):
 the run then takes that checkpoint's tokenizer (data.tokenizer='huggingface') and must hold its
 model (the fields `Checkpoint.model_fields` names; data.max_len at most its positions).
 """
@@ -24,7 +24,8 @@ from absl import logging
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
 from transformer_jax.decoding import restore
-from transformer_jax.models import build, huggingface
+from transformer_jax.interop import huggingface
+from transformer_jax.models import build
 from transformer_jax.workdir import Workdir
 
 # Model fields that change what is computed but not the parameters' names or shapes.

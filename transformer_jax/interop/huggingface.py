@@ -1,4 +1,9 @@
-"""A trained workdir's model as a Hugging Face `transformers` model directory.
+"""Hugging Face `transformers` model directories, both ways: a trained workdir exported as
+one, and a local GPT-2 or BERT checkpoint read as this project's model.
+
+Export (`export --to huggingface`):
+
+A trained workdir's model as a Hugging Face `transformers` model directory.
 
   python -m transformer_jax export --workdir runs/lm_shakespeare --to huggingface runs/lm_hf
 
@@ -37,27 +42,234 @@ that checkpoint's ids with its own tokenizer.json (`_in_checkpoint_ids`).
 
 Written with NumPy, safetensors and tokenizers only (pip install 'transformer_jax[huggingface]');
 loading the result takes `transformers` (in that extra) and torch.
+
+Import (`run.init_from` naming a checkpoint):
+
+A local Hugging Face checkpoint of GPT-2 or BERT read as this project's model: what
+`run.init_from` takes when it names one (training/finetune.py), with no network and no torch.
+
+  GPT2LMHeadModel  -> decoder_only: pre-LN blocks, learned positions, a final LayerNorm and an
+                      output tied to the token table.
+  BertForMaskedLM  -> encoder_only: post-LN blocks, learned positions, BERT's LayerNorm after the
+                      embeddings (model.embed_norm), the masked-LM head and its output bias.
+
+The export's mapping read backwards. Our embeddings are scaled by
+sqrt(D) and theirs are not: the token table is theirs divided by sqrt(D), and the LayerNorm
+right before the tied projection (GPT-2's ln_f, BERT's head transform) is multiplied by sqrt(D),
+so the logits are theirs. BERT's token-type row 0 (every token's type here) is added into the
+position table. A position table longer than data.max_len is cut to its first rows. Ids are
+renumbered (data/tokenizer.py's HuggingFaceTokenizer): the token table and BERT's output bias are permuted with
+them; a new id (GPT-2's <pad>, <unk> and its <bos>, which starts from <|endoftext|>'s row) and
+the rows that pad the vocabulary take the mean of the checkpoint's rows, so their logits are
+ordinary ones. Weights are read from model.safetensors (or the shards its index names).
 """
+
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
+from flax import traverse_util
 
 from transformer_jax import fs
 from transformer_jax.data.tokenizer import (BOS, EOS, NEW, PAD, UNK, HuggingFaceTokenizer,
-                                            SentencePiece)
+                                            SentencePiece, Tokenizers)
 from transformer_jax.decoding import restore
-from transformer_jax.models import build, huggingface
+from transformer_jax.errors import UserError
+from transformer_jax.interop import tables
+from transformer_jax.models import build
 from transformer_jax.models.common import sinusoidal_positions
 from transformer_jax.workdir import Workdir
 
+ARCHITECTURES = {"GPT2LMHeadModel": "decoder_only", "BertForMaskedLM": "encoder_only"}
+# Their activation names -> model.activation (gelu_new is GELU's tanh approximation).
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh"}
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+CONFIG = "config.json"  # The format's own, not a workdir's.
+_TABLES = {"GPT2LMHeadModel": tables.GPT2, "BertForMaskedLM": tables.BERT_MASKED_LM}
+
+
+class CheckpointError(UserError, ValueError):
+  """A directory that is not a Hugging Face checkpoint this project can start from."""
+
+
+def is_checkpoint(path: str | Path) -> bool:
+  """Whether `path` looks like a Hugging Face model directory (a config.json naming its
+  model_type) rather than a training workdir (whose config.json holds sections)."""
+  file = Path(path) / CONFIG
+  try:
+    saved = json.loads(file.read_text())
+  except (OSError, ValueError):
+    return False
+  return isinstance(saved, dict) and "model_type" in saved and "model" not in saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """A checked Hugging Face model directory: its config.json and its architecture's family."""
+  path: Path
+  config: dict
+  architecture: str
+
+  @classmethod
+  def open(cls, path: str | Path) -> "Checkpoint":
+    """Raises CheckpointError naming the problem: no config.json or weights, an architecture
+    or a setting this project does not map."""
+    path, where = Path(path), f"run.init_from={str(path)!r}"
+    try:
+      config = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"{where} holds no readable config.json ({type(e).__name__}): not "
+                            "a Hugging Face checkpoint") from None
+    found = config.get("architectures") or [config.get("model_type", "?")]
+    if found[0] not in ARCHITECTURES:
+      raise CheckpointError(f"{where} is a {found[0]}; this project starts from "
+                            f"{' or '.join(ARCHITECTURES)} checkpoints")
+    if not ((path / WEIGHTS).is_file() or (path / INDEX).is_file()):
+      raise CheckpointError(f"{where} holds no {WEIGHTS} (weights saved as safetensors; "
+                            "save_pretrained writes them)")
+    checkpoint = cls(path, config, found[0])
+    refusal = checkpoint._refusal()
+    if refusal:
+      raise CheckpointError(f"{where}: {refusal}")
+    return checkpoint
+
+  @property
+  def family(self) -> str:
+    return ARCHITECTURES[self.architecture]
+
+  def _refusal(self) -> str | None:
+    c = self.config
+    act = c.get("activation_function" if self.family == "decoder_only" else "hidden_act")
+    if act not in ACTIVATIONS:
+      return f"its activation {act!r} is none of {', '.join(ACTIVATIONS)}"
+    if not c.get("tie_word_embeddings", True):
+      return "its output projection is not tied to the token table (tie_word_embeddings)"
+    if self.family == "decoder_only":
+      if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx"):
+        return "its attention is not scaled by 1/sqrt(head dim) alone, as ours is"
+      if c.get("add_cross_attention"):
+        return "its blocks hold cross-attention (add_cross_attention)"
+    elif c.get("position_embedding_type", "absolute") != "absolute":
+      return (f"its positions are {c['position_embedding_type']!r}; ours are a learned "
+              "table of absolute positions")
+    return None
+
+  def model_fields(self) -> dict:
+    """The model section's fields this checkpoint fixes (a run must set them so)."""
+    c = self.config
+    if self.family == "decoder_only":
+      d = c["n_embd"]
+      return dict(family="decoder_only", positions="learned", d_model=d, num_heads=c["n_head"],
+                  ffn_dim=c.get("n_inner") or 4 * d, num_encoder_layers=0,
+                  num_decoder_layers=c["n_layer"], pre_ln=True, embed_norm=False,
+                  attention_bias=True, tie_output=True,
+                  activation=ACTIVATIONS[c.get("activation_function", "gelu_new")],
+                  layer_norm_eps=c.get("layer_norm_epsilon", 1e-5))
+    return dict(family="encoder_only", positions="learned", d_model=c["hidden_size"],
+                num_heads=c["num_attention_heads"], ffn_dim=c["intermediate_size"],
+                num_encoder_layers=c["num_hidden_layers"], num_decoder_layers=0, pre_ln=False,
+                embed_norm=True, attention_bias=True, tie_output=True,
+                activation=ACTIVATIONS[c.get("hidden_act", "gelu")],
+                layer_norm_eps=c.get("layer_norm_eps", 1e-12))
+
+  @property
+  def max_len(self) -> int:
+    """The positions its table holds: the longest data.max_len it can read."""
+    return self.config["n_positions" if self.family == "decoder_only"
+                       else "max_position_embeddings"]
+
+  def tokenizers(self) -> Tokenizers:
+    tok = HuggingFaceTokenizer.from_checkpoint(self.path, self.config,
+                                               masked=self.family == "encoder_only")
+    return Tokenizers(tok, tok)
+
+  def tensors(self) -> dict[str, np.ndarray]:
+    """Every saved tensor as float32 NumPy, by the names the tables use: GPT-2's under
+    "transformer." (a GPT2Model's have no prefix), BERT's old LayerNorm gamma/beta as
+    weight/bias, its masked-LM bias by either of its names."""
+    from safetensors.numpy import load_file
+    files = ([self.path / WEIGHTS] if (self.path / WEIGHTS).is_file() else
+             [self.path / f for f in sorted(set(json.loads((self.path / INDEX).read_text())
+                                                ["weight_map"].values()))])
+    out = {}
+    for file in files:
+      for name, value in load_file(str(file)).items():
+        if self.family == "decoder_only" and not name.startswith(("transformer.", "lm_head.")):
+          name = "transformer." + name
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
+            "LayerNorm.beta", "LayerNorm.bias").replace("cls.predictions.decoder.bias",
+                                                        "cls.predictions.bias")
+        out[name] = value.astype(np.float32)
+    return out
+
+  def params(self, cfg, tokenizer: HuggingFaceTokenizer) -> dict[str, object]:
+    """Our model's parameters (NumPy, unscanned names: decoder_0, ...) holding the checkpoint's
+    weights, for the frozen model config `cfg` (padded vocabulary, max_len) and the tokenizer
+    made from this checkpoint. Raises CheckpointError where a tensor is missing or does not
+    give the shape the config needs."""
+    tensors, table = self.tensors(), _TABLES[self.architecture]
+    vocab = len(tensors.get(VOCABULARY_TABLES[self.family][0], ()))
+    _check_vocabulary(vocab, tokenizer, self.path)
+
+    def tensor(name: str) -> np.ndarray:
+      if name not in tensors:
+        raise CheckpointError(f"{self.path} has no tensor {name!r}")
+      value = tensors[name]
+      if name in VOCABULARY_TABLES[self.family]:  # In our ids, padded to our rows.
+        if len(value) != vocab:
+          raise CheckpointError(f"{self.path}: {name} has {len(value)} rows, and its token "
+                                f"table {vocab}")
+        value = _token_table(value, tokenizer, cfg.tgt_vocab_size)
+      elif name.endswith("position_embeddings.weight") or name == "transformer.wpe.weight":
+        value = value[:cfg.max_len]  # data.max_len rows of a longer table.
+      return value
+
+    model = build.build_model(dataclasses.replace(cfg, scan_layers=False))
+    shapes = {name: tuple(x.shape) for name, x in traverse_util.flatten_dict(
+        nn.unbox(build.abstract_params(model)), sep="/").items()}
+    try:
+      params = tables.to_ours(table, tensor, cfg, shapes)
+    except ValueError as e:
+      raise CheckpointError(f"{self.path}: {e}") from None
+    if self.family == "encoder_only":  # Every token here is of type 0.
+      params["position_embedding"] = params["position_embedding"] + tensor(
+          "bert.embeddings.token_type_embeddings.weight")[0]
+    return params
+
+
+def _token_table(table: np.ndarray, tokenizer: HuggingFaceTokenizer, rows: int) -> np.ndarray:
+  """[rows, ...]: the checkpoint's `table` (by its ids) in our ids; new ids and padding take
+  the mean row, <bos> a copy where it shares the end token (HuggingFaceTokenizer.new_rows)."""
+  ids = tokenizer.ids + ([tokenizer.mask] if tokenizer.mask is not None else [])
+  out = np.repeat(table.mean(axis=0, keepdims=True), rows, axis=0)
+  known = np.asarray(ids)
+  out[np.flatnonzero(known >= 0)] = table[known[known >= 0]]
+  for ours, theirs in tokenizer.new_rows.items():
+    if theirs is not None:
+      out[ours] = table[theirs]
+  return out
+
+
+def _check_vocabulary(vocab: int, tokenizer: HuggingFaceTokenizer, path: Path) -> None:
+  largest = max(max(tokenizer.ids), tokenizer.mask or 0)
+  if largest >= vocab:
+    raise CheckpointError(f"{path}: its tokenizer has id {largest}, past the {vocab} rows of "
+                          "its token table")
+
+
+# --- export ---------------------------------------------------------------------------------
+
 MASK_TOKEN = "[MASK]"
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}  # model.activation's.
+# model.activation -> their names (the inverse of ACTIVATIONS).
+EXPORTED_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
 MARIAN_LAYER_NORM_EPS = 1e-5  # transformers' Marian layers take torch's default.
 
 
@@ -89,162 +301,78 @@ def refusal(workdir: str | Path) -> str | None:
   return None
 
 
-def _np(x) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(x, np.float32))
-
-
-def _norm(p, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-  return _np(p["scale"]) * scale, _np(p["bias"]) * scale
-
-
-def _position_table(cfg, params) -> np.ndarray:
-  """[max_len, D]: the learned table, or the sinusoid's values at positions 0 .. max_len - 1."""
-  if cfg.positions == "learned":
-    return _np(params["position_embedding"])
-  return _np(sinusoidal_positions(np.arange(cfg.max_len)[None], cfg.d_model)[0])
-
-
-def _attention(p, d: int) -> dict[str, np.ndarray]:
-  """Our attention's kernels ([D, N, H] in, [N, H, D] out) and biases as [D, D] matrices
-  (in x out) and [D] vectors; zeros where the model has no biases."""
-  out = {}
-  for name in ("query", "key", "value"):
-    out[f"{name}_kernel"] = _np(p[f"{name}_kernel"]).reshape(d, d)
-    out[f"{name}_bias"] = (_np(p[f"{name}_bias"]).reshape(d) if f"{name}_bias" in p
-                           else np.zeros(d, np.float32))
-  out["out_kernel"] = _np(p["out_kernel"]).reshape(d, d)
-  out["out_bias"] = _np(p["out_bias"]) if "out_bias" in p else np.zeros(d, np.float32)
+def _complete(cfg, params) -> dict:
+  """Our parameters as an unscanned model names them, with what the formats always hold: the
+  position table's values (a sinusoid's at 0 .. max_len - 1, where ours are fixed) and zeros
+  for the attention biases a model without them (model.attention_bias=False) lacks."""
+  out = {name: value for name, value in params.items() if not name.endswith("_stack")}
+  for prefix, count in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+    for i, layer in enumerate(build.layer_params(params, prefix, count)):
+      layer = dict(layer)
+      for name in ("self_attention", "cross_attention"):
+        if name in layer:
+          layer[name] = {**_zero_biases(cfg), **layer[name]}
+      out[f"{prefix}_{i}"] = layer
+  if cfg.positions != "learned":
+    out["position_embedding"] = np.asarray(
+        sinusoidal_positions(np.arange(cfg.max_len)[None], cfg.d_model)[0])
   return out
 
 
+def _zero_biases(cfg) -> dict[str, np.ndarray]:
+  heads = (cfg.num_heads, cfg.d_model // cfg.num_heads)
+  return {**{f"{kind}_bias": np.zeros(heads, np.float32) for kind in ("query", "key", "value")},
+          "out_bias": np.zeros(cfg.d_model, np.float32)}
+
+
 def _gpt2(cfg, params) -> tuple[dict, dict]:
-  d, root = cfg.d_model, float(np.sqrt(cfg.d_model))
-  w = {"transformer.wte.weight": _np(params["embed"]["embedding"]) * root,
-       "transformer.wpe.weight": _position_table(cfg, params)}
-  for i, layer in enumerate(build.layer_params(params, "decoder", cfg.num_decoder_layers)):
-    a, h = _attention(layer["self_attention"], d), f"transformer.h.{i}"
-    w[f"{h}.ln_1.weight"], w[f"{h}.ln_1.bias"] = _norm(layer["self_attention_sublayer"]["norm"])
-    w[f"{h}.attn.c_attn.weight"] = np.concatenate(  # Conv1D: [in, out], q | k | v.
-        [a["query_kernel"], a["key_kernel"], a["value_kernel"]], axis=1)
-    w[f"{h}.attn.c_attn.bias"] = np.concatenate([a["query_bias"], a["key_bias"], a["value_bias"]])
-    w[f"{h}.attn.c_proj.weight"], w[f"{h}.attn.c_proj.bias"] = a["out_kernel"], a["out_bias"]
-    w[f"{h}.ln_2.weight"], w[f"{h}.ln_2.bias"] = _norm(layer["ffn_sublayer"]["norm"])
-    w[f"{h}.mlp.c_fc.weight"] = _np(layer["ffn"]["wi"]["kernel"])
-    w[f"{h}.mlp.c_fc.bias"] = _np(layer["ffn"]["wi"]["bias"])
-    w[f"{h}.mlp.c_proj.weight"] = _np(layer["ffn"]["wo"]["kernel"])
-    w[f"{h}.mlp.c_proj.bias"] = _np(layer["ffn"]["wo"]["bias"])
-  w["transformer.ln_f.weight"], w["transformer.ln_f.bias"] = _norm(params["decoder_norm"],
-                                                                   1.0 / root)
   config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": cfg.tgt_vocab_size, "n_positions": cfg.max_len, "n_embd": d,
+            "vocab_size": cfg.tgt_vocab_size, "n_positions": cfg.max_len, "n_embd": cfg.d_model,
             "n_layer": cfg.num_decoder_layers, "n_head": cfg.num_heads, "n_inner": cfg.ffn_dim,
-            "activation_function": ACTIVATIONS[cfg.activation],
+            "activation_function": EXPORTED_ACTIVATIONS[cfg.activation],
             "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout_rate, "embd_pdrop": cfg.dropout_rate,
             "attn_pdrop": 0.0, "tie_word_embeddings": True}
-  return w, config
+  return tables.to_theirs(tables.GPT2, params, cfg), config
 
 
 def _bert(cfg, params, labels: tuple[str, ...]) -> tuple[dict, dict]:
-  d, root = cfg.d_model, float(np.sqrt(cfg.d_model))
-  e = "bert.embeddings"
-  w = {f"{e}.word_embeddings.weight": _np(params["embed"]["embedding"]) * root,
-       f"{e}.position_embeddings.weight": _position_table(cfg, params),
-       f"{e}.token_type_embeddings.weight": np.zeros((1, d), np.float32)}
-  w[f"{e}.LayerNorm.weight"], w[f"{e}.LayerNorm.bias"] = _norm(params["embed_norm"])
-  for i, layer in enumerate(build.layer_params(params, "encoder", cfg.num_encoder_layers)):
-    a, h = _attention(layer["self_attention"], d), f"bert.encoder.layer.{i}"
-    for name in ("query", "key", "value"):  # torch Linear: [out, in].
-      w[f"{h}.attention.self.{name}.weight"] = a[f"{name}_kernel"].T.copy()
-      w[f"{h}.attention.self.{name}.bias"] = a[f"{name}_bias"]
-    w[f"{h}.attention.output.dense.weight"] = a["out_kernel"].T.copy()
-    w[f"{h}.attention.output.dense.bias"] = a["out_bias"]
-    (w[f"{h}.attention.output.LayerNorm.weight"],
-     w[f"{h}.attention.output.LayerNorm.bias"]) = _norm(layer["attention_sublayer"]["norm"])
-    w[f"{h}.intermediate.dense.weight"] = _np(layer["ffn"]["wi"]["kernel"]).T.copy()
-    w[f"{h}.intermediate.dense.bias"] = _np(layer["ffn"]["wi"]["bias"])
-    w[f"{h}.output.dense.weight"] = _np(layer["ffn"]["wo"]["kernel"]).T.copy()
-    w[f"{h}.output.dense.bias"] = _np(layer["ffn"]["wo"]["bias"])
-    w[f"{h}.output.LayerNorm.weight"], w[f"{h}.output.LayerNorm.bias"] = _norm(
-        layer["ffn_sublayer"]["norm"])
-  config = {"model_type": "bert", "vocab_size": cfg.tgt_vocab_size, "hidden_size": d,
+  w = tables.to_theirs(tables.BERT_CLASSIFIER if labels else tables.BERT_MASKED_LM, params, cfg)
+  w["bert.embeddings.token_type_embeddings.weight"] = np.zeros((1, cfg.d_model), np.float32)
+  config = {"model_type": "bert", "vocab_size": cfg.tgt_vocab_size, "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.num_encoder_layers, "num_attention_heads": cfg.num_heads,
-            "intermediate_size": cfg.ffn_dim, "hidden_act": ACTIVATIONS[cfg.activation],
+            "intermediate_size": cfg.ffn_dim,
+            "hidden_act": EXPORTED_ACTIVATIONS[cfg.activation],
             "hidden_dropout_prob": cfg.dropout_rate, "attention_probs_dropout_prob": 0.0,
             "max_position_embeddings": cfg.max_len, "type_vocab_size": 1,
             "layer_norm_eps": cfg.layer_norm_eps, "pad_token_id": PAD,
             "tie_word_embeddings": True}
   if labels:
-    w["bert.pooler.dense.weight"] = _np(params["pooler"]["kernel"]).T.copy()
-    w["bert.pooler.dense.bias"] = _np(params["pooler"]["bias"])
-    w["classifier.weight"] = _np(params["classifier"]["kernel"]).T.copy()
-    w["classifier.bias"] = _np(params["classifier"]["bias"])
     config.update(architectures=["BertForSequenceClassification"],
                   id2label={str(i): name for i, name in enumerate(labels)},
                   label2id={name: i for i, name in enumerate(labels)},
                   classifier_dropout=cfg.dropout_rate)
   else:
-    t = "cls.predictions.transform"
-    w[f"{t}.dense.weight"] = _np(params["mlm_dense"]["kernel"]).T.copy()
-    w[f"{t}.dense.bias"] = _np(params["mlm_dense"]["bias"])
-    w[f"{t}.LayerNorm.weight"], w[f"{t}.LayerNorm.bias"] = _norm(params["mlm_norm"], 1.0 / root)
-    w["cls.predictions.bias"] = _np(params["mlm_bias"])
     config.update(architectures=["BertForMaskedLM"])
   return w, config
-
-
-def _linear(w: dict, name: str, kernel: np.ndarray, bias: np.ndarray) -> None:
-  """A torch Linear's parameters ([out, in] weight) from an [in, out] kernel."""
-  w[f"{name}.weight"], w[f"{name}.bias"] = np.ascontiguousarray(kernel.T), bias
-
-
-def _bart_attention(w: dict, name: str, p, d: int) -> None:
-  a = _attention(p, d)
-  for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"),
-                       ("out", "out_proj")):
-    _linear(w, f"{name}.{theirs}", a[f"{ours}_kernel"], a[f"{ours}_bias"])
 
 
 def _marian(cfg, params) -> tuple[dict, dict]:
   """MarianMTModel: the paper's post-LN model with sqrt(D)-scaled embeddings, as ours. Its
   position tables are state, written as ours (sin and cos interleaved)."""
-  d = cfg.d_model
-  positions = _position_table(cfg, params)
-  w = {"model.shared.weight": _np(params["src_embed"]["embedding"]),
-       "model.encoder.embed_positions.weight": positions,
-       "model.decoder.embed_positions.weight": positions.copy(),
-       "final_logits_bias": np.zeros((1, cfg.tgt_vocab_size), np.float32)}
-  w["model.encoder.embed_tokens.weight"] = w["model.shared.weight"]
-  w["model.decoder.embed_tokens.weight"] = w["model.shared.weight"]
-  w["lm_head.weight"] = w["model.shared.weight"]
-  stacks = (("encoder", cfg.num_encoder_layers, (("self_attn", "self_attention",
-                                                  "attention_sublayer"),)),
-            ("decoder", cfg.num_decoder_layers, (("self_attn", "self_attention",
-                                                  "self_attention_sublayer"),
-                                                 ("encoder_attn", "cross_attention",
-                                                  "cross_attention_sublayer"))))
-  for stack, count, attentions in stacks:
-    for i, layer in enumerate(build.layer_params(params, stack, count)):
-      h = f"model.{stack}.layers.{i}"
-      for theirs, attention, sublayer in attentions:
-        _bart_attention(w, f"{h}.{theirs}", layer[attention], d)
-        w[f"{h}.{theirs}_layer_norm.weight"], w[f"{h}.{theirs}_layer_norm.bias"] = _norm(
-            layer[sublayer]["norm"])
-      _linear(w, f"{h}.fc1", _np(layer["ffn"]["wi"]["kernel"]), _np(layer["ffn"]["wi"]["bias"]))
-      _linear(w, f"{h}.fc2", _np(layer["ffn"]["wo"]["kernel"]), _np(layer["ffn"]["wo"]["bias"]))
-      w[f"{h}.final_layer_norm.weight"], w[f"{h}.final_layer_norm.bias"] = _norm(
-          layer["ffn_sublayer"]["norm"])
+  w = tables.to_theirs(tables.MARIAN, params, cfg)
+  w["final_logits_bias"] = np.zeros((1, cfg.tgt_vocab_size), np.float32)
   config = {"architectures": ["MarianMTModel"], "model_type": "marian",
             "vocab_size": cfg.tgt_vocab_size, "decoder_vocab_size": cfg.tgt_vocab_size,
-            "max_position_embeddings": cfg.max_len, "d_model": d,
+            "max_position_embeddings": cfg.max_len, "d_model": cfg.d_model,
             "encoder_layers": cfg.num_encoder_layers, "decoder_layers": cfg.num_decoder_layers,
             "encoder_attention_heads": cfg.num_heads, "decoder_attention_heads": cfg.num_heads,
             "encoder_ffn_dim": cfg.ffn_dim, "decoder_ffn_dim": cfg.ffn_dim,
-            "activation_function": ACTIVATIONS[cfg.activation], "dropout": cfg.dropout_rate,
-            "attention_dropout": 0.0, "activation_dropout": 0.0, "scale_embedding": True,
-            "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
-            "is_encoder_decoder": True, "decoder_start_token_id": BOS,
-            "forced_eos_token_id": None}
+            "activation_function": EXPORTED_ACTIVATIONS[cfg.activation],
+            "dropout": cfg.dropout_rate, "attention_dropout": 0.0, "activation_dropout": 0.0,
+            "scale_embedding": True, "share_encoder_decoder_embeddings": True,
+            "tie_word_embeddings": True, "is_encoder_decoder": True,
+            "decoder_start_token_id": BOS, "forced_eos_token_id": None}
   return w, config
 
 
@@ -288,8 +416,9 @@ def tokenizer_json(sp: SentencePiece, mask: bool = False, prepend_bos: bool = Fa
 
 
 # The weights indexed by token id, as each export names them.
-VOCABULARY_TABLES = ("transformer.wte.weight", "bert.embeddings.word_embeddings.weight",
-                     "cls.predictions.bias")
+VOCABULARY_TABLES = {"decoder_only": ("transformer.wte.weight",),
+                     "encoder_only": ("bert.embeddings.word_embeddings.weight",
+                                      "cls.predictions.bias")}
 NEW_BOS = "<bos>"  # A run that renumbered a checkpoint with no start token of its own (GPT-2).
 
 
@@ -304,7 +433,7 @@ def _in_checkpoint_ids(weights: dict, hf_config: dict, tok: HuggingFaceTokenizer
   kept = np.flatnonzero(ours >= 0)  # Our ids that are the checkpoint's.
   size = int(ours.max()) + 1
   added = tok.ids[BOS] == NEW
-  for name in VOCABULARY_TABLES:
+  for name in (n for names in VOCABULARY_TABLES.values() for n in names):
     if name in weights:
       table = weights[name]
       out = np.zeros((size + added,) + table.shape[1:], table.dtype)
@@ -350,7 +479,7 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
   restored = restore.restore(workdir, step=step)
   kind, labels = restored.run.model_kind(), restored.run.labels()
   cfg, tokenizers, step = restored.model.cfg, restored.tokenizers, restored.step
-  params = jax.device_get(restored.params)
+  params = _complete(cfg, jax.device_get(restored.params))
   if kind == "decoder_only":
     weights, hf_config = _gpt2(cfg, params)
   elif kind == "encoder_decoder":
@@ -378,7 +507,7 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
   from safetensors.numpy import save_file
   with fs.new_directory(output) as partial:
     save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    (partial / huggingface.CONFIG).write_text(json.dumps(hf_config, indent=2))
+    (partial / CONFIG).write_text(json.dumps(hf_config, indent=2))
     (partial / "tokenizer.json").write_text(text)
     (partial / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_len,
