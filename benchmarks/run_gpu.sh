@@ -81,7 +81,7 @@ if [ "$part" = real ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
           'optax', optax.__version__, jax.devices())"
-  step embedding_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_embedding.py
+  step embedding_tests 300 $py -m pytest -q -p no:cacheprovider tests/unit/test_embedding.py
   corpus=$out/synth300k
   step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs 300000
   data=(--data_dir "$corpus" --tfds_dir "$corpus/tfds")
@@ -105,7 +105,7 @@ elif [ "$part" = 1 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
           'optax', optax.__version__, jax.devices())"
-  step tests 240 $py -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_decode.py
+  step tests 240 $py -m pytest -q -p no:cacheprovider tests/unit/test_model.py tests/unit/test_decode.py
   step base_cudnn 200 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_cudnn.json"
   step big_cudnn 200 $py benchmarks/train_step.py "${big[@]}" --json "$out/big_cudnn.json"
 elif [ "$part" = decode ]; then
@@ -126,7 +126,7 @@ elif [ "$part" = decode ]; then
 elif [ "$part" = lm ]; then
   data=${DATA:-data}
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  step lm_tests 200 $py -m pytest -q -p no:cacheprovider tests/test_language_model.py
+  step lm_tests 200 $py -m pytest -q -p no:cacheprovider tests/unit/test_language_model.py
   step lm_train 380 $py train.py --config configs/lm_gpt2_small.py --workdir "$out/lm_gpt2_small" \
       --config.data.dataset=shakespeare --config.data.data_dir "$data/shakespeare" \
       --config.data.tfds_dir "$out/tfds" --config.data.vocab_size=16384 \
@@ -175,7 +175,7 @@ elif [ "$part" = 3 ]; then
         --set loss_chunks=$chunks
   done
 else
-  step cudnn_test 120 $py -m pytest -q -s -p no:cacheprovider tests/test_model.py -k cudnn
+  step cudnn_test 120 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_model.py -k cudnn
   step base_cudnn_rbg 150 env JAX_DEFAULT_PRNG_IMPL=unsafe_rbg $py benchmarks/train_step.py \
       "${base[@]}" --json "$out/base_cudnn_rbg.json"
   step base_xla 150 $py benchmarks/train_step.py "${base[@]}" --set model.attention_impl=xla \

@@ -7,7 +7,7 @@ from pathlib import Path
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "transformer_jax"
 
 
@@ -158,7 +158,7 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
 @pytest.mark.quick
 def test_the_code_has_a_licence_that_the_package_declares():
   import tomllib
-  root = Path(__file__).resolve().parents[1]
+  root = Path(__file__).resolve().parents[2]
   assert (root / "LICENSE").read_text().startswith("MIT License\n")
   project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
   assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]

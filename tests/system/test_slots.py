@@ -589,7 +589,7 @@ def test_slot_programs_kept_beside_the_compilation_cache_run_here_and_in_a_later
   cache, store = tmp_path / "jax_cache", tmp_path / "programs"
   run = lambda mode: subprocess.run(
       [sys.executable, "-c", _CACHE_CHILD, str(trained[1]), str(cache), str(store), mode],
-      capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+      capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
   first = run("all")
   assert first.returncode == 0, first.stderr[-3000:]
   assert list(cache.iterdir())  # The cache was on: jax.jit's programs went into it,

@@ -11,7 +11,7 @@ import portpicker
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_user_mistakes import _one_error_line, _run
+from tests.system.test_user_mistakes import _one_error_line, _run
 
 COMMANDS = ("train", "translate", "fill", "average", "visualize", "aot", "export", "serve")
 

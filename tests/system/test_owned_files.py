@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.test_user_mistakes import (_one_error_line, _run, _train_args, _tree_digest,
+from tests.system.test_user_mistakes import (_one_error_line, _run, _train_args, _tree_digest,
                                       _with_another_tokenizer)
 
 

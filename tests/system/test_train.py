@@ -143,7 +143,7 @@ class _IdTokenizer:
 
 
 def _id_cache(directory, id_pairs):
-  from tests.test_data import ListPairs
+  from tests.unit.test_data import ListPairs
   from transformer_jax.data import token_cache
   from transformer_jax.data.tokenizer import Tokenizers
   text = ListPairs([(" ".join(map(str, s)), " ".join(map(str, t))) for s, t in id_pairs])
