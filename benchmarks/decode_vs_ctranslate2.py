@@ -83,7 +83,7 @@ def main():
   import sentencepiece as spm
 
   from transformer_jax.decoding import platforms
-  from transformer_jax.commands.translate import read_lines
+  from transformer_jax.decoding.inputs import read_lines
   from transformer_jax.decoding.generation import DecodeOptions
   from transformer_jax.decoding.translator import BEAM_BUDGET, Translator, translate_lines
 
