@@ -47,6 +47,17 @@ class WorkdirError(UserError, ValueError):
   """A directory that is not a (usable) training workdir."""
 
 
+def run_holding(path: str | Path) -> Path | None:
+  """The training workdir that `path` is (or would be) inside: its nearest ancestor holding a
+  run's checkpoints/ or writer.lock; None where there is none. A command's output must not go
+  there: the run's files are the run's, and train.py takes a checkpoint-shaped folder under
+  checkpoints/ for a damaged checkpoint."""
+  for parent in Path(path).resolve().parents:
+    if (parent / CHECKPOINTS).is_dir() or (parent / LOCK).exists():
+      return parent
+  return None
+
+
 class Workdir:
   """A training run's directory (it need not exist yet)."""
 
@@ -119,20 +130,25 @@ class Workdir:
   def check_free(self) -> None:
     """Raises WorkdirError where a run holds the writer lock (the first check a run makes:
     another's checkpoints and config may still change under it). Creates nothing."""
-    if not (self.path / LOCK).is_file():
-      return
-    with open(self.path / LOCK, encoding="utf-8") as lock:
+    if self.writer() is not None:
+      self._raise_busy()
+
+  def writer(self) -> str | None:
+    """Who holds the writer lock now ("process PID on HOST"), or None where no run does."""
+    try:
+      lock = open(self.path / LOCK, encoding="utf-8")
+    except OSError:
+      return None
+    with lock:
       try:
         fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
       except BlockingIOError:
-        self._raise_busy()
+        return lock.read().strip() or "another process"
       fcntl.flock(lock, fcntl.LOCK_UN)
+    return None
 
   def _raise_busy(self):
-    try:
-      holder = (self.path / LOCK).read_text(encoding="utf-8").strip() or "another process"
-    except OSError:
-      holder = "another process"
+    holder = self.writer() or "another process"
     raise WorkdirError(f"--workdir {self.path} is being written by {holder}: wait for that run "
                        "to end, or name another workdir") from None
 

@@ -67,9 +67,55 @@ def test_bad_requests_are_one_line_and_write_nothing(trained, tmp_path):
   with pytest.raises(AverageError, match="exists; name a new directory"):
     average_checkpoints(workdir, 2, tmp_path / "exists")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+  # Inside the run it reads (or any run): a checkpoint-shaped folder there is the run's to judge.
+  before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  for inside in (workdir / "checkpoints" / "30", workdir / "averaged"):
+    with pytest.raises(AverageError) as error:
+      average_checkpoints(workdir, 2, inside)
+    assert str(error.value) == (f"--output {inside} is inside the workdir {workdir.resolve()}: "
+                                "name a directory outside it (its files are the run's)")
+    assert not inside.exists()
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
   result = subprocess.run(
       [sys.executable, "-m", "transformer_jax", "average", "--workdir", str(workdir), "--last", "0",
        "--output", str(tmp_path / "c")], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == "error: --last must be at least 1, got 0"
   assert not (tmp_path / "c").exists()
+
+
+def test_averaging_a_run_that_is_still_training_reads_its_newest_checkpoints(trained, tmp_path):
+  """A live run keeps 2 checkpoints, one every 5 steps: each `average --last 2` beside it
+  exits 0 with two checkpoints 5 steps apart that the run wrote (a step rotated away as it was
+  read is read again from the newest), never a "damaged" error."""
+  import json
+  import shutil
+  import time
+  from tests.system.test_user_mistakes import _train_args
+  config, source = trained
+  workdir = tmp_path / "live"
+  shutil.copytree(source, workdir)
+  train = subprocess.Popen(
+      [sys.executable, *_train_args(config, workdir, num_steps=100000),
+       "--config.run.checkpoint_every=5", "--config.run.keep_checkpoints=2",
+       "--config.run.log_every=5", "--config.eval.every=100000"],
+      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while max(Workdir(workdir).checkpoint_steps()) < 40:  # Resumed at 20, rotating now.
+      assert train.poll() is None and time.monotonic() < deadline, train.stderr.read()[-2000:]
+      time.sleep(0.5)
+    for i in range(3):
+      out = tmp_path / f"avg{i}"
+      result = subprocess.run(
+          [sys.executable, "-m", "transformer_jax", "average", "--workdir", str(workdir),
+           "--last", "2", "--output", str(out)], cwd=ROOT, capture_output=True, text=True,
+          timeout=300)
+      assert result.returncode == 0, result.stderr[-2000:]
+      steps = json.loads((out / "averaged_from.json").read_text())["steps"]
+      assert steps[1] - steps[0] == 5 and steps[0] >= 20 and steps[0] % 5 == 0, steps
+      assert Workdir(out).checkpoint_steps() == [steps[1]]
+    assert train.poll() is None  # The run went on beside it.
+  finally:
+    train.kill()
+    train.wait()

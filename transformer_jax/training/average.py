@@ -24,7 +24,7 @@ from transformer_jax import checkpoint, errors, fs, sharding
 from transformer_jax.training import steps as step_lib
 from transformer_jax.errors import UserError
 from transformer_jax.decoding.restore import Opened, open_run
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import Workdir, run_holding
 
 
 class AverageError(UserError, ValueError):
@@ -41,6 +41,41 @@ def state_of(run: Opened):
       ema=config.step.ema_decay > 0)
 
 
+# Tries at reading a consistent set of the newest checkpoints while a live run rotates them.
+READS = 5
+
+
+def _sum_of_last(source_dir: Workdir, last: int, state_like, shardings):
+  """(steps, sum of (params, ema_params), the last state, its data position) of the newest
+  `last` checkpoints; None where a run writing the workdir removed one of them as it was read
+  (its checkpoints rotate: keep_checkpoints), so that the caller reads the newest again."""
+  source = source_dir.checkpointer(read_only=True)
+  steps = sorted(source.manager.all_steps())[-last:]
+  total = None
+  try:
+    if len(steps) < last:
+      raise AverageError(f"--last {last}: {source_dir.checkpoints} holds {len(steps)} "
+                         f"checkpoints ({steps or 'none'})")
+    for step in steps:
+      state, data = source.restore(step, state_like, shardings)
+      source.verify(step, state)
+      both = (state.params, state.ema_params)  # ema_params: None where the run kept none.
+      total = both if total is None else jax.tree.map(jax.numpy.add, total, both)
+      logging.info("Read the checkpoint of step %d", step)
+  except (checkpoint.CheckpointMismatchError, AverageError):
+    raise
+  except Exception as e:
+    if step not in source_dir.checkpoint_steps() and source_dir.writer() is not None:
+      logging.info("step %d was removed as it was read (%s is training): reading the newest "
+                   "%d again", step, source_dir.writer(), last)
+      return None
+    raise AverageError(f"the checkpoint of step {step} in {source_dir.checkpoints} cannot be "
+                       f"averaged: {errors.first_line(e)}") from None
+  finally:
+    source.close()
+  return steps, total, state, data
+
+
 def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> list[int]:
   """Writes the workdir `output` with the mean parameters of `workdir`'s last `last`
   checkpoints; returns the averaged steps."""
@@ -49,32 +84,23 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
     raise AverageError(f"--last must be at least 1, got {last}")
   if output.exists():
     raise AverageError(f"{output} exists; name a new directory for the averaged workdir")
+  inside = run_holding(output)
+  if inside is not None:
+    raise AverageError(f"--output {output} is inside the workdir {inside}: name a directory "
+                       "outside it (its files are the run's)")
   source_dir.load_config()  # Raises first where the workdir is none.
   fs.check_writable(output, "--output")
   run = open_run(source_dir)
-  source = source_dir.checkpointer(read_only=True)
-  steps = sorted(source.manager.all_steps())[-last:]
-  if len(steps) < last:
-    source.close()
-    raise AverageError(f"--last {last}: {source_dir.checkpoints} holds {len(steps)} "
-                       f"checkpoints ({steps or 'none'})")
-
   state_like, shardings = state_of(run)
-  total = None
-  try:
-    for step in steps:
-      state, data = source.restore(step, state_like, shardings)
-      source.verify(step, state)
-      both = (state.params, state.ema_params)  # ema_params: None where the run kept none.
-      total = both if total is None else jax.tree.map(jax.numpy.add, total, both)
-      logging.info("Read the checkpoint of step %d", step)
-  except checkpoint.CheckpointMismatchError:
-    raise
-  except Exception as e:
-    raise AverageError(f"the checkpoint of step {step} in {source_dir.checkpoints} cannot be "
-                       f"averaged: {errors.first_line(e)}") from None
-  finally:
-    source.close()
+  for _ in range(READS):
+    read = _sum_of_last(source_dir, last, state_like, shardings)
+    if read is not None:
+      break
+  else:
+    raise AverageError(f"{source_dir.checkpoints} is being written by {source_dir.writer()}, "
+                       f"which removed checkpoints as they were read, {READS} times: average "
+                       "when that run has stopped")
+  steps, total, state, data = read
   params, ema_params = jax.tree.map(lambda x: x / len(steps), total)
   averaged = state.replace(params=params, ema_params=ema_params)
 
