@@ -3,14 +3,14 @@
 jax's persistent compilation cache saves the compiling, but a command still traces and lowers
 every program to find its cache entry: for the decoding slots of three width classes, several
 seconds of a command's start (kept for that: a warm `translate` of 100 sentences takes 9.9 s
-with this store and 25.0 s with jax's cache alone on 2 cores, docs/results.md). A
-`ProgramStore` keeps the compiled executable itself (jax.experimental.serialize_executable),
-under a key made of what the program is (its name, the caller's description of what it
-closes over, its arguments' shapes and types) and of what built it (jax and jaxlib, the
-device, this CPU's model and instruction sets, XLA_FLAGS and this package's source code): a later process with the same key loads it and neither traces, lowers
-nor compiles. A program the store cannot write or read back (a file cut short, another jax) is
-compiled again, with a warning. The files are pickles: keep the directory as private as the
-workdir it belongs to.
+with this store and 25.0 s with jax's cache alone on 2 cores, docs/results.md). A `ProgramStore`
+keeps the compiled executable itself (jax.experimental.serialize_executable), under a key made
+of what the program is (its name, the caller's description of what it closes over, its
+arguments' shapes and types) and of what built it (jax and jaxlib, the device, this CPU's model
+and instruction sets, XLA_FLAGS and this package's source code): a later process with the same
+key loads it and neither traces, lowers nor compiles. A program the store cannot write or read
+back (a file cut short, another jax) is compiled again, with a warning. The files are pickles:
+keep the directory as private as the workdir it belongs to.
 
 A command may also name its settings (`preload`): the store then loads, in a thread of its
 own, the programs that the last command of the same settings used (`remember` keeps their
