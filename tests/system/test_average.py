@@ -87,9 +87,11 @@ def test_bad_requests_are_one_line_and_write_nothing(trained, tmp_path):
 def test_averaging_a_run_that_is_still_training_reads_its_newest_checkpoints(trained, tmp_path):
   """A live run keeps 2 checkpoints, one every 5 steps: each `average --last 2` beside it
   exits 0 with two checkpoints 5 steps apart that the run wrote (a step rotated away as it was
-  read is read again from the newest), never a "damaged" error."""
+  read is read again from the newest), or, where the run rotates them faster than they read,
+  says so in one line naming the writer; never a "damaged" error."""
   import json
   import shutil
+  import socket
   import time
   from tests.system.test_user_mistakes import _train_args
   config, source = trained
@@ -111,6 +113,13 @@ def test_averaging_a_run_that_is_still_training_reads_its_newest_checkpoints(tra
           [sys.executable, "-m", "transformer_jax", "average", "--workdir", str(workdir),
            "--last", "2", "--output", str(out)], cwd=ROOT, capture_output=True, text=True,
           timeout=300)
+      if result.returncode == 1:  # It rotated faster than they could be read, every try.
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"error: {workdir / 'checkpoints'} is being written by process {train.pid} on "
+            f"{socket.gethostname()}, which removed checkpoints as they were read, 5 times: "
+            "average when that run has stopped")
+        assert not out.exists()
+        continue
       assert result.returncode == 0, result.stderr[-2000:]
       steps = json.loads((out / "averaged_from.json").read_text())["steps"]
       assert steps[1] - steps[0] == 5 and steps[0] >= 20 and steps[0] % 5 == 0, steps
