@@ -47,15 +47,15 @@ class WorkdirError(UserError, ValueError):
   """A directory that is not a (usable) training workdir."""
 
 
-def run_holding(path: str | Path) -> Path | None:
-  """The training workdir that `path` is (or would be) inside: its nearest ancestor holding a
-  run's checkpoints/ or writer.lock; None where there is none. A command's output must not go
-  there: the run's files are the run's, and train.py takes a checkpoint-shaped folder under
-  checkpoints/ for a damaged checkpoint."""
+def check_outside_runs(path: str | Path, flag: str = "") -> None:
+  """A one-line WorkdirError where the new directory `path` (the value of `flag`) would be
+  inside a training workdir: an ancestor holding a run's checkpoints/ or writer.lock. The run's
+  files are the run's, and train.py takes a checkpoint-shaped folder under checkpoints/ for a
+  damaged checkpoint."""
   for parent in Path(path).resolve().parents:
     if (parent / CHECKPOINTS).is_dir() or (parent / LOCK).exists():
-      return parent
-  return None
+      raise WorkdirError(f"{flag + ' ' if flag else ''}{path} is inside the workdir {parent}: "
+                         "name a directory outside it (its files are the run's)")
 
 
 class Workdir:

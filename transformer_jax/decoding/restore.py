@@ -79,7 +79,8 @@ def restore(workdir: str | Path, kind: str | None = None, command: str = "",
     run.check_family(kind, command)
   config, tokenizers, model = open_run(run)
   uses_ema = ema and config.step.ema_decay > 0
-  step, params = read_params(run, model, mesh or sharding.make_mesh((-1, 1, 1)),
+  mesh = sharding.make_mesh((-1, 1, 1)) if mesh is None else mesh
+  step, params = read_params(run, model, mesh,
                              "ema_params" if uses_ema else "params", step, programs)
   logging.info("Restored step %d from %s (%s)", step, run.checkpoints,
                "the parameters' moving average" if uses_ema else "the parameters")

@@ -28,7 +28,7 @@ from transformer_jax.decoding.translator import Translator
 from transformer_jax.errors import UserError
 from transformer_jax.interop import ctranslate2, huggingface, jax_export
 from transformer_jax.interop.ctranslate2 import QUANTIZATIONS
-from transformer_jax.workdir import Workdir, run_holding
+from transformer_jax.workdir import Workdir, check_outside_runs
 
 FORMATS = ("ctranslate2", "jax", "huggingface")
 
@@ -52,10 +52,7 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
     raise ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
   if output.exists():
     raise ExportError(f"{output} exists; name a new directory for the exported model")
-  inside = run_holding(output)
-  if inside is not None:
-    raise ExportError(f"{output} is inside the workdir {inside}: name a directory outside it "
-                      "(its files are the run's)")
+  check_outside_runs(output)
   if alpha is not None and alpha < 0:
     raise ExportError(f"--alpha must be >= 0 (0: no length penalty), got {alpha}")
   fs.check_writable(output, "the output")

@@ -216,7 +216,10 @@ class Checkpoint:
     made from this checkpoint. Raises CheckpointError where a tensor is missing or does not
     give the shape the config needs."""
     tensors, table = self.tensors(), _TABLES[self.architecture]
-    vocab = len(tensors.get(VOCABULARY_TABLES[self.family][0], ()))
+    token_table = VOCABULARY_TABLES[self.family][0]
+    if token_table not in tensors:
+      raise CheckpointError(f"{self.path} has no tensor {token_table!r}")
+    vocab = len(tensors[token_table])
     _check_vocabulary(vocab, tokenizer, self.path)
 
     def tensor(name: str) -> np.ndarray:

@@ -24,7 +24,7 @@ from transformer_jax import checkpoint, errors, fs, sharding
 from transformer_jax.training import steps as step_lib
 from transformer_jax.errors import UserError
 from transformer_jax.decoding.restore import Opened, open_run
-from transformer_jax.workdir import Workdir, run_holding
+from transformer_jax.workdir import Workdir, check_outside_runs
 
 
 class AverageError(UserError, ValueError):
@@ -84,10 +84,7 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
     raise AverageError(f"--last must be at least 1, got {last}")
   if output.exists():
     raise AverageError(f"{output} exists; name a new directory for the averaged workdir")
-  inside = run_holding(output)
-  if inside is not None:
-    raise AverageError(f"--output {output} is inside the workdir {inside}: name a directory "
-                       "outside it (its files are the run's)")
+  check_outside_runs(output, "--output")
   source_dir.load_config()  # Raises first where the workdir is none.
   fs.check_writable(output, "--output")
   run = open_run(source_dir)
@@ -97,7 +94,8 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
     if read is not None:
       break
   else:
-    raise AverageError(f"{source_dir.checkpoints} is being written by {source_dir.writer()}, "
+    writer = source_dir.writer() or "the run that held its writer.lock"
+    raise AverageError(f"{source_dir.checkpoints} is being written by {writer}, "
                        f"which removed checkpoints as they were read, {READS} times: average "
                        "when that run has stopped")
   steps, total, state, data = read
