@@ -223,14 +223,16 @@ class Workdir:
     family = self.load_config().model.family
     return "classifier" if family == "encoder_only" and self.labels() else family
 
-  def check_family(self, kind: str, command: str) -> None:
+  def check_family(self, kind: str | tuple[str, ...], command: str) -> None:
     """A one-line WorkdirError where the run's model is not of `kind` (a model.family or
-    "classifier": MODEL_KINDS), which `command` needs."""
+    "classifier": MODEL_KINDS; or one of several), which `command` needs."""
+    kinds = (kind,) if isinstance(kind, str) else kind
     saved = self.model_kind()
-    if saved != kind:
+    if saved not in kinds:
+      needs = " or a ".join(MODEL_KINDS[k][0] for k in kinds)
       raise WorkdirError(f"{self.path} holds a {MODEL_KINDS[saved][0]} (model.family="
                          f"{self.load_config().model.family!r}): `{command}` needs a "
-                         f"{MODEL_KINDS[kind][0]}; use `{MODEL_KINDS[saved][1]}`")
+                         f"{needs}; use `{MODEL_KINDS[saved][1]}`")
 
   def labels(self) -> tuple[str, ...]:
     """A classifier's label names, in the order of its outputs; () for the other models."""

@@ -1,13 +1,18 @@
-"""Serves translations over HTTP with a trained workdir's model (docs/serving.md).
+"""Serves a trained workdir's model over HTTP (docs/serving.md): a translation model's
+translations, a language model's completions through OpenAI's API.
 
   python -m transformer_jax serve --workdir runs/fra_eng --port 8080
   curl -s localhost:8080/ready
   curl -s localhost:8080/translate -d '{"sentences": ["I lost.", "I am home."]}'
 
-The sentences of concurrent requests are decoded together in decoding slots, which each
-sentence enters as it comes and leaves as its search ends (continuous batching). GET /ready
-answers 200 once what one sentence needs is compiled; the other programs compile while it
-serves. SIGTERM (or Ctrl-C) stops taking requests, answers those already taken, and exits 0.
+  python -m transformer_jax serve --workdir runs/lm_shakespeare --port 8080
+  curl -s localhost:8080/v1/completions -d '{"model": "lm_shakespeare", "prompt": "ROMEO."}'
+
+The sentences (or sequences) of concurrent requests are decoded together in decoding slots,
+which each enters as it comes and leaves as its search ends (continuous batching). GET /ready
+answers 200 once what one request needs is compiled (a translation server compiles the other
+programs while it serves). SIGTERM (or Ctrl-C) stops taking requests, answers those already
+taken, and exits 0.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def define_flags() -> None:
                      "open requests to finish (queued sentences are decoded and answered) "
                      "before the connections still open, such as a client stalled halfway "
                      "through sending its request, are closed.")
+  flags.DEFINE_string("model_name", None, "The model's name in OpenAI's API (a language model's "
+                      "requests name it; GET /v1/models lists it); default: the workdir's "
+                      "folder name.")
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
                       "restart then compiles nothing); default: the training run's "
                       "(run.compilation_cache_dir, or WORKDIR/jax_cache).")
@@ -115,47 +123,78 @@ def main(argv):
     if any(b < 1 for b in beam_sizes):
       raise ServeError(f"--beam_sizes must be at least 1, got {FLAGS.beam_sizes}")
     try:  # The server's libraries: imported once the flags are known good.
+      import starlette  # noqa: F401
       import uvicorn
-      from transformer_jax.serving.server import Service, Settings, create_app
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'transformer_jax[serve]'") from None
     from transformer_jax.programs import ProgramStore
-    from transformer_jax.decoding.translator import Translator
     from transformer_jax.workdir import Workdir
-    for workdir in FLAGS.workdir:  # The server answers translation requests only.
-      Workdir(workdir).check_family("encoder_decoder", "serve")
+    for workdir in FLAGS.workdir:
+      Workdir(workdir).check_family(("encoder_decoder", "decoder_only"), "serve")
+    language = Workdir(FLAGS.workdir[0]).model_kind() == "decoder_only"
+    if language and len(FLAGS.workdir) > 1:
+      raise ServeError(f"--workdir is given {len(FLAGS.workdir)} times: ensembles are served "
+                       "for translation models only")
+    if language and FLAGS.beam_sizes:
+      raise ServeError("--beam_sizes: a language model's completions are greedy or sampled, "
+                       "without beam search")
     listening = _listen(FLAGS.host, FLAGS.port)
 
     config = Workdir(FLAGS.workdir[0]).load_config()
     launch.keep_freed_memory()
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
-    default_beam = config.decode.beam_size
-    settings = Settings(
-        beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
-        max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
-        max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars,
-        slots=-1 if FLAGS.slots == "auto" else int(FLAGS.slots), lanes=FLAGS.lanes)
-    if default_beam not in settings.beam_sizes:
-      raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
-                       f"size ({default_beam}), which requests without beam_size get")
-    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema,
-                            programs=ProgramStore(cache / "programs"))
-    service = Service(translator, settings)
+    programs = ProgramStore(cache / "programs")
+    slots = -1 if FLAGS.slots == "auto" else int(FLAGS.slots)
+    if language:
+      app_ = _completions_app(FLAGS, slots, programs)
+    else:
+      app_ = _translation_app(FLAGS, config, beam_sizes, slots, programs)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
+        app_, host=FLAGS.host, port=FLAGS.port, log_level="warning",
         access_log=False, lifespan="on", timeout_graceful_shutdown=FLAGS.shutdown_timeout,
         limit_concurrency=FLAGS.max_connections))
     # uvicorn drains on SIGTERM or SIGINT, then raises the signal again: answered here, so that
     # a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda *_: None)
-    logging.info("serving on http://%s:%d once what one sentence needs is compiled (GET /ready "
-                 "says when)",
-                 FLAGS.host, FLAGS.port)
+    logging.info("serving on http://%s:%d once what one request needs is compiled (GET /ready "
+                 "says when)", FLAGS.host, FLAGS.port)
     std_logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
     server.run(sockets=[listening])
     logging.info("shut down")
+
+
+def _translation_app(FLAGS, config, beam_sizes, slots, programs):
+  from transformer_jax.serving.server import Service, Settings, create_app
+  from transformer_jax.decoding.translator import Translator
+  default_beam = config.decode.beam_size
+  settings = Settings(
+      beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
+      max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
+      max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars,
+      slots=slots, lanes=FLAGS.lanes)
+  if default_beam not in settings.beam_sizes:
+    raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
+                     f"size ({default_beam}), which requests without beam_size get")
+  translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs)
+  return create_app(Service(translator, settings))
+
+
+def _completions_app(FLAGS, slots, programs):
+  import jax
+  from pathlib import Path
+  from transformer_jax.decoding import platforms
+  from transformer_jax.decoding.completer import Completer
+  from transformer_jax.serving import completions
+  completer = Completer(FLAGS.workdir[0], FLAGS.step, ema=FLAGS.ema, command="serve")
+  if slots < 0:
+    slots = platforms.settings(jax.default_backend()).slots(1)
+  limits = completions.Limits(
+      max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
+      max_sequences=FLAGS.max_sentences, max_prompt_chars=FLAGS.max_sentence_chars)
+  name = FLAGS.model_name or Path(FLAGS.workdir[0]).absolute().name
+  return completions.create_app(completions.Service(completer, slots, limits, name, programs))
 
 
 def run() -> None:

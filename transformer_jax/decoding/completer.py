@@ -19,8 +19,9 @@ from transformer_jax.decoding.generation import InferenceError, continue_prompts
 class Completer:
   """Restores a workdir's language model and continues prompts."""
 
-  def __init__(self, workdir: str | Path, step: int | None = None):
-    run = restore.restore(workdir, "decoder_only", "generate", step)
+  def __init__(self, workdir: str | Path, step: int | None = None, ema: bool = True,
+               command: str = "generate"):
+    run = restore.restore(workdir, "decoder_only", command, step, ema)
     self.model, self.step, self.params, self.config = run.model, run.step, run.params, run.config
     self.tokenizer, self.max_len = run.tokenizers.tgt, run.config.data.max_len
 

@@ -134,7 +134,7 @@ def computes_scores(beam_size: int, scores: bool) -> bool:
   return scores or beam_size > 1
 
 
-def _where(mask: jax.Array, new, old):
+def where_rows(mask: jax.Array, new, old):
   """Per leading index: `new`'s rows where `mask` [U], else `old`'s (pytrees alike)."""
   return jax.tree.map(lambda n, o: jnp.where(mask.reshape(-1, *[1] * (o.ndim - 1)), n, o),
                       new, old)
@@ -266,7 +266,7 @@ class SlotDecoder:
     state = dict(state)
     if self.row_copy == "gather":  # Every slot's row at once (platforms.py).
       rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(take, 0), axis=0), sources)
-      state["sources"] = _where(fill, rows, state["sources"])
+      state["sources"] = where_rows(fill, rows, state["sources"])
     else:
       # Only the slots filled are written (a refill of a few slots must not rewrite every
       # slot's source keys and values): one row at a time, in place.
@@ -284,7 +284,7 @@ class SlotDecoder:
     state["limits"] = jnp.where(fill, limits, state["limits"])
     state["alpha"] = jnp.where(fill, alpha, state["alpha"])
     fresh = self._fresh()
-    state.update(_where(fill, fresh, {key: state[key] for key in fresh}))
+    state.update(where_rows(fill, fresh, {key: state[key] for key in fresh}))
     return state
 
   def _compact_fn(self, state, order):

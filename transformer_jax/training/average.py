@@ -15,6 +15,7 @@ beside OUTPUT (`.OUTPUT.partial-XXXX`, never one that exists) and renamed when c
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -45,6 +46,14 @@ def state_of(run: Opened):
 READS = 5
 
 
+def _rotated_away(source_dir: Workdir, step: int, last: int) -> bool:
+  """Whether a live run removed (or is removing) the checkpoint of `step`: it is no longer one
+  of the newest `last` present. A removal in progress leaves its directory a moment, and the
+  run removes an old one only after writing a newer one, so the newest are checked a second on."""
+  time.sleep(1.0)
+  return step not in source_dir.checkpoint_steps()[-last:]
+
+
 def _sum_of_last(source_dir: Workdir, last: int, state_like, shardings):
   """(steps, sum of (params, ema_params), the last state, its data position) of the newest
   `last` checkpoints; None where a run writing the workdir removed one of them as it was read
@@ -65,7 +74,7 @@ def _sum_of_last(source_dir: Workdir, last: int, state_like, shardings):
   except (checkpoint.CheckpointMismatchError, AverageError):
     raise
   except Exception as e:
-    if step not in source_dir.checkpoint_steps() and source_dir.writer() is not None:
+    if source_dir.writer() is not None and _rotated_away(source_dir, step, last):
       logging.info("step %d was removed as it was read (%s is training): reading the newest "
                    "%d again", step, source_dir.writer(), last)
       return None

@@ -1,0 +1,215 @@
+"""Decoding slots for a language model (continuous batching of completions): `slots` sequences
+over one preallocated cache, each with its own prompt, position, output limit and sampling
+settings, which a host loop starts and stops between runs of decoder steps (serving's
+completions engine).
+
+A slot reads its prompt one position a step, as `generation.continue_prompts` does, then feeds
+back what it draws; the step that reads the prompt's last token draws the first new one. Every
+row steps at its own position (the cache's index is per row), so a sequence joins while others
+are halfway and leaves when it ends, its slot free for the next. A sequence's i-th new token
+draws with the key fold_in(fold_in(PRNGKey(seed), item), i), the key `generate` gives prompt
+number `item` of its input: the same seed draws the same text in any slot, beside any others,
+and greedy rows (temperature 0) choose what `generate` chooses.
+
+Programs (compiled once for the decoder's shape, whatever the traffic):
+  admit(state, start [U], drop [U], prompts [U, L], ...)  slots start new sequences or end theirs
+  run_R(params, state, max_steps)  steps the first R slots (every live sequence must be among
+                                   them) until one ends, none runs, or `max_steps` steps are done
+R is one of `run_sizes` (slots, then halves, on a CPU down to a sixteenth): a step computes about
+as many rows as are busy, not as many as were allocated; new sequences take the lowest free
+slots, so that few busy ones run in a small program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from transformer_jax.data.tokenizer import EOS
+from transformer_jax.decoding import platforms, search, slots as slots_lib
+from transformer_jax.decoding.generation import NEVER_CONTINUED
+from transformer_jax.models.transformer import LanguageModel
+from transformer_jax.programs import ProgramStore
+
+TOP = 5  # The most likely tokens whose log-probabilities each position keeps (OpenAI's limit).
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+  """How a sequence chooses its tokens: temperature 0 greedy; else sampling at `temperature`
+  from the `top_k` (0: all) most likely whose cumulative probability reaches `top_p`."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  item: int = 0  # The sequence's number among its request's: its draws' key.
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p):
+  """logits [R, V], keys [R], each row's settings [R] -> tokens [R]: search.Sampling's draw
+  (search.Greedy's where temperature is 0) with settings of its own for each row."""
+  greedy = search.Greedy()(logits, keys)
+  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  descending = jnp.sort(scaled, axis=-1)[:, ::-1]
+  kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0)[:, None], axis=-1)
+  scaled = jnp.where((top_k[:, None] > 0) & (scaled < kth), search.NEG_INF, scaled)
+  descending = jnp.sort(scaled, axis=-1)[:, ::-1]
+  probs = jax.nn.softmax(descending, axis=-1)
+  keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
+  threshold = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)
+  nucleus = jnp.where(scaled < threshold, search.NEG_INF, scaled)
+  scaled = jnp.where(top_p[:, None] < 1.0, nucleus, scaled)
+  drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+  return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+class LanguageSlots:
+  """`slots` sequences of up to `max_len` positions (prompt and new tokens) of a LanguageModel
+  whose tokenizer has `vocab` ids."""
+
+  def __init__(self, model: LanguageModel, params, slots: int, max_len: int, vocab: int,
+               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None):
+    self.model, self.params, self.slots, self.max_len, self.vocab = (
+        model, params, slots, max_len, vocab)
+    fraction = min_rows_fraction or platforms.settings(jax.default_backend()).min_rows_fraction
+    self.run_sizes = slots_lib.run_sizes(slots, fraction)
+    describe = repr((model.cfg, slots, max_len, vocab))
+    jit = functools.partial(programs.jit, describe=describe)
+    self._admit = jit("lm_slots_admit", fn=self._admit_fn, donate_argnums=0)
+    self._runs = {rows: jit(f"lm_slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
+                            donate_argnums=1) for rows in self.run_sizes}
+    self._empty = jit("lm_slots_empty", fn=self._empty_fn)
+
+  # --- the host's side ---------------------------------------------------------------------
+
+  def empty(self):
+    """The state of free slots."""
+    return self._empty(self.params)
+
+  def compile(self, stopping=lambda: False) -> bool:
+    """Compiles (or loads) every program without running it; False if `stopping()` stopped it
+    before the last."""
+    state = jax.eval_shape(self._empty_fn, self.params)
+    shape = lambda *dims, dtype=np.int32: jax.ShapeDtypeStruct(dims, dtype)
+    u, length = self.slots, self.max_len
+    todo = [(self._admit, (state, *self._admit_shapes(shape, u, length)))]
+    todo += [(run, (self.params, state, shape())) for run in self._runs.values()]
+    for program, args in todo:
+      if stopping():
+        return False
+      program.compile(*args)
+    return True
+
+  @staticmethod
+  def _admit_shapes(shape, u, length):
+    return (shape(u, dtype=bool), shape(u, dtype=bool), shape(u, length), shape(u), shape(u),
+            shape(u, 2, dtype=np.uint32), shape(u), shape(u, dtype=np.float32), shape(u),
+            shape(u, dtype=np.float32))
+
+  def admit(self, state, starts: dict[int, tuple[list[int], int, Draw]], drops=()):
+    """Slot u of `starts` begins the sequence (ids: <bos> + the prompt's, the most new tokens,
+    its Draw); the slots in `drops` end theirs (free from then on)."""
+    u, length = self.slots, self.max_len
+    start, drop = np.zeros(u, bool), np.zeros(u, bool)
+    prompts = np.zeros((u, length), np.int32)
+    lengths, last, items, top_k = (np.zeros(u, np.int32) for _ in range(4))
+    keys = np.zeros((u, 2), np.uint32)
+    temperature, top_p = np.zeros(u, np.float32), np.ones(u, np.float32)
+    for slot, (ids, max_new, draw) in starts.items():
+      start[slot] = True
+      prompts[slot, :len(ids)] = ids
+      lengths[slot] = len(ids)
+      last[slot] = min(len(ids) - 1 + max_new, length - 1)
+      keys[slot] = np.asarray(jax.random.PRNGKey(draw.seed))
+      items[slot], temperature[slot] = draw.item, draw.temperature
+      top_k[slot], top_p[slot] = draw.top_k, draw.top_p
+    drop[list(drops)] = True
+    return self._admit(state, start, drop, prompts, lengths, last, keys, items, temperature,
+                       top_k, top_p)
+
+  def run(self, state, rows: int, max_steps: int):
+    """Steps the first `rows` slots (a run size) until a sequence ends, none runs, or
+    `max_steps` steps are done: (state, its first `rows` slots' host copy: tokens, t, done,
+    active, logprob, top_ids, top_lp)."""
+    state, view = self._runs[rows](self.params, state, np.int32(max_steps))
+    return state, jax.device_get(view)
+
+  # --- the compiled programs ---------------------------------------------------------------
+
+  def _empty_fn(self, params):
+    u, length = self.slots, self.max_len
+    cache = self.model.apply({"params": params}, u, length, method=LanguageModel.init_cache)
+    zeros = lambda *dims, dtype=jnp.int32: jnp.zeros(dims, dtype)
+    return {"k": cache["k"], "v": cache["v"], "tokens": zeros(u, length), "t": zeros(u),
+            "length": zeros(u), "last": zeros(u), "active": zeros(u, dtype=bool),
+            "done": zeros(u, dtype=bool), "keys": zeros(u, 2, dtype=jnp.uint32),
+            "items": zeros(u), "temperature": zeros(u, dtype=jnp.float32), "top_k": zeros(u),
+            "top_p": jnp.ones((u,), jnp.float32), "logprob": zeros(u, length, dtype=jnp.float32),
+            "top_ids": zeros(u, length, TOP), "top_lp": zeros(u, length, TOP, dtype=jnp.float32)}
+
+  def _admit_fn(self, state, start, drop, prompts, lengths, last, keys, items, temperature,
+                top_k, top_p):
+    state = dict(state)
+    fresh = {"tokens": prompts, "t": jnp.zeros_like(lengths), "length": lengths, "last": last,
+             "done": jnp.zeros_like(start), "keys": keys, "items": items,
+             "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    for name, value in fresh.items():
+      state[name] = slots_lib.where_rows(start, value, state[name])
+    state["active"] = (state["active"] & ~drop) | start
+    return state
+
+  def _view(self, state):
+    return {name: state[name] for name in ("tokens", "t", "done", "active", "logprob",
+                                          "top_ids", "top_lp")}
+
+  def _run_fn(self, params, state, max_steps, rows: int):
+    cut = lambda x: lax.slice_in_dim(x, 0, rows, axis=0)
+    part = jax.tree.map(cut, state)
+
+    def cond(carry):
+      steps, part, ended = carry
+      return jnp.any(part["active"] & ~part["done"]) & (steps < max_steps) & ~ended
+
+    def body(carry):
+      steps, part, _ = carry
+      before = part["done"]
+      part = self._step(params, part)
+      return steps + 1, part, jnp.any(part["done"] & ~before)
+
+    _, part, _ = lax.while_loop(cond, body, (jnp.int32(0), part, jnp.bool_(False)))
+    put = lambda whole, new: lax.dynamic_update_slice_in_dim(whole, new, 0, axis=0)
+    return jax.tree.map(put, state, part), self._view(part)
+
+  def _step(self, params, s):
+    """One position of every running row: it reads its token at t and writes the one at t + 1
+    (its prompt's, or the one it draws once the prompt is read)."""
+    rows = jnp.arange(s["t"].shape[0])
+    running = s["active"] & ~s["done"]
+    t, length = s["t"], s["length"]
+    feed = s["tokens"][rows, t]
+    logits, cache = self.model.apply(
+        {"params": params}, feed[:, None], {"index": t, "k": s["k"], "v": s["v"]},
+        method=LanguageModel.decode_step)
+    logits = logits[:, :self.vocab].at[:, NEVER_CONTINUED].set(search.NEG_INF)
+    p = t + 1  # The position this step writes.
+    new = p - length  # Its index among the new tokens (< 0: the prompt's).
+    fold = lambda key, item, i: jax.random.fold_in(jax.random.fold_in(key, item), i)
+    keys = jax.vmap(fold)(s["keys"], s["items"], jnp.maximum(new, 0))
+    drawn = sample_rows(logits, keys, s["temperature"], s["top_k"], s["top_p"])
+    at = jnp.minimum(p, self.max_len - 1)
+    token = jnp.where(new >= 0, drawn, s["tokens"][rows, at])
+    logp = jax.nn.log_softmax(logits)
+    top_lp, top_ids = lax.top_k(logp, TOP)
+    write = lambda x, value: x.at[rows, at].set(jnp.where(
+        running.reshape(-1, *[1] * (value.ndim - 1)), value, x[rows, at]))
+    generating = running & (new >= 0)
+    return dict(
+        s, k=cache["k"], v=cache["v"], tokens=write(s["tokens"], token),
+        logprob=write(s["logprob"], logp[rows, token]), top_ids=write(s["top_ids"], top_ids),
+        top_lp=write(s["top_lp"], top_lp), t=t + running,
+        done=s["done"] | (generating & ((token == EOS) | (p >= s["last"]))))
