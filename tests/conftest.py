@@ -166,3 +166,20 @@ def trained(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
       done.write_text(_tree_digest(workdir))
   yield config, workdir
   assert _tree_digest(workdir) == done.read_text(), f"a test changed the shared run {workdir}"
+
+
+@pytest.fixture(scope="session")
+def lm_run(tmp_path_factory, tfds_dir, cache_dir):
+  """The smoke language model (tests/runs.py:lm_command), trained by train.py once a run by
+  the first worker that asks and read by all (checked unchanged at each worker's end, as
+  `trained`)."""
+  from tests import runs
+  workdir = _run_dir(tmp_path_factory) / "lm_run"
+  with _run_lock(tmp_path_factory, "lm_run"):
+    done = workdir.with_name("lm_run.sha256")
+    if not done.exists():
+      shutil.rmtree(workdir, ignore_errors=True)
+      runs.run(runs.lm_command(workdir, tfds_dir, cache_dir))
+      done.write_text(_tree_digest(workdir))
+  yield workdir
+  assert _tree_digest(workdir) == done.read_text(), f"a test changed the shared run {workdir}"

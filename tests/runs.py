@@ -31,6 +31,18 @@ def shakespeare_command(config: str, workdir, tfds_dir, cache_dir, *overrides: s
           "--config.data.num_workers=0", *overrides]
 
 
+LM_STEPS = 16  # The shared smoke language model's (tests/conftest.py:lm_run).
+
+
+def lm_command(workdir, tfds_dir, cache_dir, *extra: str) -> list[str]:
+  """train.py on configs/lm_shakespeare.py:smoke for LM_STEPS steps, checkpoints every 4 and
+  evaluation every 8: the shared smoke language model's command (and a resumed copy's)."""
+  return shakespeare_command(
+      "lm_shakespeare", workdir, tfds_dir, cache_dir, f"--config.run.num_steps={LM_STEPS}",
+      "--config.run.log_every=1", "--config.run.checkpoint_every=4", "--config.eval.every=8",
+      "--config.eval.num_batches=4", *extra)
+
+
 def moved_copy(workdir: Path, tmp_path: Path) -> tuple[Path, Path]:
   """A copy of a trained run in another folder, and an empty current directory for commands on
   it, from which the run's relative data path names nothing."""

@@ -168,14 +168,15 @@ def test_bad_fill_input_is_one_line(mlm_run, args, stdin, message):
 
 def test_the_other_commands_refuse_a_masked_language_model_and_fill_the_others(mlm_run,
                                                                                trained):
-  for command in ("translate", "generate"):
+  needs = {"translate": "translation model", "generate": "language model",
+           "serve": "translation model or a language model"}
+  for command, model in needs.items():
     proc = subprocess.run([sys.executable, "-m", "transformer_jax", command, "--workdir",
-                           str(mlm_run), "Hello."], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           str(mlm_run), *(["Hello."] if command != "serve" else [])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {mlm_run} holds a masked language model (model.family='encoder_only'): "
-        f"`{command}` needs a {'translation' if command == 'translate' else 'language'} model; "
-        "use `fill`")
+        f"`{command}` needs a {model}; use `fill`")
   proc = _fill("--workdir", trained[1], "a [MASK]")
   assert proc.stderr.strip().splitlines()[-1] == (
       f"error: {trained[1]} holds a translation model (model.family='encoder_decoder'): `fill` "

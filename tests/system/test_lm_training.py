@@ -262,28 +262,14 @@ def test_a_continuation_never_holds_pad_bos_or_unk():
 
 # train.py on the Shakespeare works: straight, and killed then resumed.
 
-NUM_STEPS = 16
-
-
-def _command(workdir, tfds_dir, cache_dir, *extra):
-  return runs.shakespeare_command(
-      "lm_shakespeare", workdir, tfds_dir, cache_dir, f"--config.run.num_steps={NUM_STEPS}",
-      "--config.run.log_every=1", "--config.run.checkpoint_every=4", "--config.eval.every=8",
-      "--config.eval.num_batches=4", *extra)
+NUM_STEPS = runs.LM_STEPS
 
 
 def _run(*args):
-  return runs.run(_command(*args))
+  return runs.run(runs.lm_command(*args))
 
 
 _records = runs.records
-
-
-@pytest.fixture(scope="module")
-def lm_run(tmp_path_factory, tfds_dir, cache_dir):
-  workdir = tmp_path_factory.mktemp("lm_straight")
-  _run(workdir, tfds_dir, cache_dir)
-  return workdir
 
 
 def test_a_language_model_trains_and_reports_bits_per_character(lm_run):
@@ -300,7 +286,7 @@ def test_a_language_model_trains_and_reports_bits_per_character(lm_run):
 
 
 def test_a_killed_language_model_run_resumes_bit_for_bit(lm_run, tmp_path, tfds_dir, cache_dir):
-  runs.kill_after_step(_command(tmp_path, tfds_dir, cache_dir), 10)
+  runs.kill_after_step(runs.lm_command(tmp_path, tfds_dir, cache_dir), 10)
   log = _run(tmp_path, tfds_dir, cache_dir)
   resumed = re.search(r"Resuming from the checkpoint of step (\d+)", log)
   assert resumed and int(resumed.group(1)) in (4, 8), log[-3000:]  # 8 may still be written.
@@ -358,7 +344,8 @@ def test_bad_generate_input_is_one_line_and_writes_nothing(lm_run, tmp_path, arg
   assert not out.exists()
 
 
-def test_generate_on_a_translation_workdir_and_translate_or_serve_on_a_language_model(trained, lm_run):
+def test_generate_on_a_translation_workdir_and_translate_or_visualize_on_a_language_model(
+    trained, lm_run):
   _, translation = trained
   proc = _generate("--workdir", translation, "Hello")
   assert proc.stderr.strip().splitlines()[-1] == (
@@ -368,12 +355,6 @@ def test_generate_on_a_translation_workdir_and_translate_or_serve_on_a_language_
                          str(lm_run), "Hello"], cwd=ROOT, capture_output=True, text=True)
   assert proc.stderr.strip().splitlines()[-1] == (
       f"error: {lm_run} holds a language model (model.family='decoder_only'): `translate` "
-      "needs a translation model; use `generate`")
-  proc = subprocess.run([sys.executable, "-m", "transformer_jax", "serve", "--workdir",
-                         str(lm_run), "--port=0"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
-      f"error: {lm_run} holds a language model (model.family='decoder_only'): `serve` "
       "needs a translation model; use `generate`")
   proc = subprocess.run([sys.executable, "-m", "transformer_jax", "visualize", "--workdir",
                          str(lm_run), "--out", str(lm_run.parent / "maps"), "Hello"], cwd=ROOT,

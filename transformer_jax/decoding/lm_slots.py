@@ -52,9 +52,25 @@ class Draw:
 
 def sample_rows(logits, keys, temperature, top_k, top_p):
   """logits [R, V], keys [R], each row's settings [R] -> tokens [R]: search.Sampling's draw
-  (search.Greedy's where temperature is 0) with settings of its own for each row."""
+  (search.Greedy's where temperature is 0) with settings of its own for each row. The sorts
+  that top-k and top-p need run only when a row asks for them, the draw only when a row
+  samples: on 2 cores a step of 16 rows took 12.5 ms with both always, 3.4 ms sampling
+  without them, 2.3 ms greedy."""
   greedy = search.Greedy()(logits, keys)
-  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+  def draw(_):
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    filters = jnp.any(top_k > 0) | jnp.any(top_p < 1.0)
+    scaled = lax.cond(filters, lambda x: _filtered(x, top_k, top_p), lambda x: x, scaled)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+  drawn = lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+  return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _filtered(scaled, top_k, top_p):
+  """Each row's logits outside its top_k (0: none cut) and then its nucleus top_p (1.0: none
+  cut) set to NEG_INF, as search.Sampling cuts them."""
   descending = jnp.sort(scaled, axis=-1)[:, ::-1]
   kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0)[:, None], axis=-1)
   scaled = jnp.where((top_k[:, None] > 0) & (scaled < kth), search.NEG_INF, scaled)
@@ -63,9 +79,7 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
   keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
   threshold = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)
   nucleus = jnp.where(scaled < threshold, search.NEG_INF, scaled)
-  scaled = jnp.where(top_p[:, None] < 1.0, nucleus, scaled)
-  drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-  return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+  return jnp.where(top_p[:, None] < 1.0, nucleus, scaled)
 
 
 class LanguageSlots:

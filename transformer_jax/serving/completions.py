@@ -484,15 +484,18 @@ def create_app(service: Service) -> Starlette:
     return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
 
   async def next_event(events, choices, sequences):
+    """The choice the engine's next news is of, and whether that news ends it; (None, False)
+    for news of a choice already ended (a stop string met before its slot freed)."""
     index, positions, end = await events.get()
     if end == "error":
       raise ApiError(f"the decoder stopped: {engine.error!r}", status=500, kind="server_error")
     choice = choices[index]
-    was = choice.finish
+    if choice.finish is not None:
+      return None, False
     choice.add(positions, end)
-    if choice.finish == "stop" and was is None and end is None:  # A stop string: end it now.
+    if choice.finish == "stop" and end is None:  # A stop string: its slot frees now.
       engine.cancel([sequences[index]])
-    return choice, end is not None or choice.finish is not None
+    return choice, choice.finish is not None
 
   async def completions(request: Request):
     began, status, count = time.monotonic(), 500, 0
@@ -510,7 +513,7 @@ def create_app(service: Service) -> Starlette:
         ended = 0
         while ended < len(choices):
           _, over = await next_event(events, choices, sequences)
-          ended = sum(c.finish is not None for c in choices)
+          ended += over
       finally:
         engine.cancel(sequences)  # A request cut short (its client gone) frees its slots.
       body = {**head(parsed, rid), "choices": [
@@ -551,14 +554,15 @@ def create_app(service: Service) -> Starlette:
       ended = 0
       while ended < len(choices):
         choice, over = await next_event(events, choices, sequences)
+        if choice is None:
+          continue
         text = choice.new_text()
-        finish = choice.finish if over else None
         if over or text:
           yield event({**head(parsed, rid), "choices": [
               {"text": text, "index": choice.index,
-               "logprobs": choice.logprobs(all_entries=False) if text or over else None,
-               "finish_reason": finish}]})
-        ended = sum(c.finish is not None for c in choices)
+               "logprobs": choice.logprobs(all_entries=False),
+               "finish_reason": choice.finish if over else None}]})
+        ended += over
       if parsed.include_usage:
         yield event({**head(parsed, rid), "choices": [], "usage": usage(parsed, choices)})
       yield "data: [DONE]\n\n"

@@ -1,0 +1,178 @@
+"""Load test of a language model's completions server on localhost: concurrent streaming
+clients against one request at a time, tokens/s and the latency to the first streamed token.
+
+  python benchmarks/completions_load.py --workdir runs/lm_shakespeare --clients 16 \
+      --requests 8 --max_tokens 64 --json completions_load.json
+
+Each mode starts `python -m transformer_jax serve` on a free port, waits for /ready, sends the
+same requests (prompts cut from the start of random lines of the held-out works' text, 8 to 24
+tokens, sampled at temperature 1 with a seed of their own, streamed) and stops the server with
+SIGTERM (its exit status is checked); a round of short requests before each mode's timed one
+loads and first runs its programs. Modes:
+  batched        --clients threads at once, each sending --requests requests in turn, on the
+                 server as it ships (decoding slots that sequences join as they come)
+  one_at_a_time  the same server, every request in turn from one client
+  one_slot       every request in turn from one client, on `serve --slots 1` (the strongest
+                 configuration for one request at a time: every step computes one row)
+Tokens/s counts the completion tokens (the servers' usage) over the clients' wall time; the
+first-token latency is from sending a request to its first piece of text. Every mode's texts
+are compared with the first mode's (seeded: they must be equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import cpu_model  # noqa: E402
+from benchmarks.serve_load import get, start_server, stop_server, wait_ready  # noqa: E402
+import portpicker  # noqa: E402
+
+
+def prompts_for(workdir: str, data_dir: str, count: int, seed: int = 0) -> list[str]:
+  """`count` prompts: the starts (8 to 24 tokens) of random lines of six words or more of the
+  validation works in `data_dir` (the works the run held out)."""
+  from transformer_jax.data import builders
+  from transformer_jax.workdir import Workdir
+  tokenizer = Workdir(workdir).tokenizers().tgt
+  works = builders.read_documents(Path(data_dir))
+  held_out = builders.document_splits(list(works))["validation"]
+  lines = [line for name in held_out for line in works[name].splitlines()
+           if len(line.split()) >= 6]
+  rng = random.Random(seed)
+  out = []
+  for _ in range(count):
+    ids = tokenizer.encode([rng.choice(lines)])[0][:rng.randint(8, 24)]
+    out.append(tokenizer.decode(ids))
+  return out
+
+
+def stream(port: int, body: dict) -> tuple[str, float | None, int]:
+  """(text, seconds to the first piece of text, completion tokens) of one streamed request."""
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+  began = time.monotonic()
+  connection.request("POST", "/v1/completions", body=json.dumps(
+      {**body, "stream": True, "stream_options": {"include_usage": True}}))
+  response = connection.getresponse()
+  if response.status != 200:
+    raise RuntimeError(f"{response.status}: {response.read()[:300]!r}")
+  text, first, tokens = [], None, 0
+  while line := response.fp.readline():
+    if line.strip() == b"data: [DONE]":
+      break
+    if not line.startswith(b"data: "):
+      continue
+    chunk = json.loads(line[6:])
+    if chunk.get("usage"):
+      tokens = chunk["usage"]["completion_tokens"]
+    for choice in chunk["choices"]:
+      if choice["text"] and first is None:
+        first = time.monotonic() - began
+      text.append(choice["text"])
+  connection.close()
+  return "".join(text), first, tokens
+
+
+def run_mode(port: int, plan: list[list[dict]]) -> dict:
+  """Each client of `plan` (its requests) in a thread of its own."""
+  results: dict[tuple[int, int], tuple] = {}
+  errors: list[str] = []
+
+  def client(c: int) -> None:
+    for r, body in enumerate(plan[c]):
+      try:
+        results[c, r] = stream(port, body)
+      except Exception as e:  # Counted and shown: a benchmark that hides one is wrong.
+        errors.append(repr(e))
+
+  threads = [threading.Thread(target=client, args=(c,)) for c in range(len(plan))]
+  began = time.monotonic()
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return {"wall_s": time.monotonic() - began, "results": results, "errors": errors}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--data_dir", default="data/shakespeare", help="The works the run was "
+                      "trained on (prompts come from its validation works).")
+  parser.add_argument("--clients", type=int, default=16)
+  parser.add_argument("--requests", type=int, default=8, help="Requests per client.")
+  parser.add_argument("--max_tokens", type=int, default=64)
+  parser.add_argument("--modes", default="batched,one_at_a_time,one_slot")
+  parser.add_argument("--server_flags", default="", help="More serve flags, space-separated.")
+  parser.add_argument("--logs", default=None, help="A directory for the servers' logs.")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+  name = Path(args.workdir).absolute().name
+  prompts = prompts_for(args.workdir, args.data_dir, args.clients * args.requests)
+  bodies = [{"model": name, "prompt": p, "max_tokens": args.max_tokens, "temperature": 1.0,
+             "seed": i} for i, p in enumerate(prompts)]
+  batched = [bodies[c * args.requests:(c + 1) * args.requests] for c in range(args.clients)]
+  plans = {"batched": batched, "one_at_a_time": [bodies], "one_slot": [bodies]}
+  flags = {"batched": [], "one_at_a_time": [], "one_slot": ["--slots=1"]}
+  logs = Path(args.logs) if args.logs else None
+  if logs:
+    logs.mkdir(parents=True, exist_ok=True)
+  rows, reference = {}, None
+  for mode in args.modes.split(","):
+    port = portpicker.pick_unused_port()
+    log = open(logs / f"{mode}.log" if logs else os.devnull, "w")
+    server = start_server(args.workdir, port, *flags[mode], *args.server_flags.split(), log=log)
+    ready = wait_ready(server, port)
+    # Not timed: a first call of each program the mode runs (loading it, a first run).
+    warm = [{**body, "max_tokens": 8, "seed": 10 ** 6} for body in bodies[:args.clients]]
+    run_mode(port, [[body] for body in warm] if len(plans[mode]) > 1 else [warm[:2]])
+    run = run_mode(port, plans[mode])
+    stats = get(port, "/stats")[1]
+    status = stop_server(server)
+    texts = [None] * len(bodies)
+    for (c, r), result in run["results"].items():
+      texts[plans[mode][c][r]["seed"]] = result[0]
+    if reference is None:
+      reference = texts
+    firsts = [r[1] for r in run["results"].values() if r[1] is not None]
+    tokens = sum(r[2] for r in run["results"].values())
+    row = {"mode": mode, "ready_s": round(ready, 1), "requests": len(run["results"]),
+           "completion_tokens": tokens, "wall_s": round(run["wall_s"], 2),
+           "tokens_per_s": round(tokens / run["wall_s"], 1),
+           "first_token_p50_ms": _ms(firsts, 50), "first_token_p95_ms": _ms(firsts, 95),
+           "different_from_first_mode": sum(a != b for a, b in zip(texts, reference)),
+           "decoder_runs": stats["runs"], "busy_s": round(stats["busy_seconds"], 2),
+           "errors": run["errors"][:5], "exit_status": status,
+           "server_flags": flags[mode] + args.server_flags.split()}
+    rows[mode] = row
+    print(json.dumps(row), flush=True)
+  for base in ("one_at_a_time", "one_slot"):
+    if "batched" in rows and base in rows:
+      print(f"batched / {base}: "
+            f"{rows['batched']['tokens_per_s'] / rows[base]['tokens_per_s']:.2f}x tokens/s")
+  import jax  # noqa: PLC0415
+  out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(),
+         "cores": os.cpu_count(), "jax": jax.__version__, "modes": rows}
+  if args.json:
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _ms(seconds: list[float], q: float) -> float | None:
+  return round(1000 * float(np.percentile(seconds, q, method="nearest")), 1) if seconds else None
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,249 @@
+"""The language-model server as a real process on localhost, with the shared smoke language
+model, through the official `openai` client: every field, streams, seeds under concurrent load,
+greedy equal to `generate`, OpenAI's error shape, a client that leaves mid-stream, SIGTERM with
+streams open."""
+
+import concurrent.futures
+import http.client
+import json
+import subprocess
+import sys
+import time
+
+import openai
+import portpicker
+import pytest
+
+from benchmarks.serve_load import get, start_server, stop_server, wait_ready
+from tests.conftest import ROOT
+
+PROMPTS = ["ROMEO.", "To be, or not", "JULIET.\nO"]
+MODEL = "lm_run"  # The workdir's folder name.
+
+
+def _serve(workdir, tmp_path, *flags):
+  port = portpicker.pick_unused_port()
+  log_path = tmp_path / f"serve_{port}.log"
+  server = start_server(str(workdir), port, *flags, log=open(log_path, "w"))
+  try:
+    wait_ready(server, port, timeout=600)
+  except RuntimeError:
+    stop_server(server)
+    raise AssertionError(log_path.read_text()[-3000:])
+  return server, port, log_path
+
+
+@pytest.fixture(scope="module")
+def server(lm_run, tmp_path_factory):
+  server, port, log = _serve(lm_run, tmp_path_factory.mktemp("serve_lm"), "--slots=4",
+                             "--max_sentences=12")
+  yield port
+  assert stop_server(server) == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="unused",
+                       max_retries=0)
+
+
+def _generate(lm_run, tmp_path, *flags):
+  """`generate`'s continuations of PROMPTS with `flags`."""
+  prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+  prompts.write_text("".join(p.replace("\n", "\\n") + "\n" for p in PROMPTS))
+  proc = subprocess.run([sys.executable, "-m", "transformer_jax", "generate", "--workdir",
+                         str(lm_run), "--input", str(prompts), "--output", str(out), *flags],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+
+
+def test_greedy_and_seeded_completions_are_what_generate_writes(lm_run, client, tmp_path):
+  """Greedy (temperature 0) and sampling with a seed: each prompt of a list continues as
+  `generate` continues it (a seed draws with the key of the prompt's number in either)."""
+  greedy = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10, temperature=0)
+  assert [c.text for c in greedy.choices] == _generate(lm_run, tmp_path, "--max_new_tokens=10")
+  assert [c.index for c in greedy.choices] == [0, 1, 2]
+  assert {c.finish_reason for c in greedy.choices} <= {"length", "stop"}
+  sampled = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10,
+                                      temperature=0.9, top_p=0.9, seed=3,
+                                      extra_body={"top_k": 50})
+  assert [c.text for c in sampled.choices] == _generate(
+      lm_run, tmp_path, "--max_new_tokens=10", "--temperature=0.9", "--top_p=0.9",
+      "--top_k=50", "--seed=3")
+
+
+def test_n_echo_logprobs_and_usage(client, lm_run):
+  from transformer_jax.workdir import Workdir
+  tokenizer = Workdir(lm_run).tokenizers().tgt
+  r = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=6, temperature=1.0,
+                                n=3, seed=5, logprobs=2, echo=True)
+  assert [c.index for c in r.choices] == [0, 1, 2]
+  prompt_tokens = len(tokenizer.encode(["ROMEO."])[0])
+  assert r.usage.prompt_tokens == prompt_tokens
+  for c in r.choices:
+    assert c.text.startswith("ROMEO.")
+    lp = c.logprobs
+    new = len(lp.tokens) - prompt_tokens  # Echo: the prompt's tokens come first.
+    assert 1 <= new <= 6 and (new == 6) == (c.finish_reason == "length")
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(lp.tokens)
+    assert all(len(top) <= 2 and all(v <= 0 for v in top.values()) for top in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+  assert r.usage.completion_tokens == sum(
+      len(c.logprobs.tokens) - prompt_tokens for c in r.choices)
+  assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+  texts = {c.text for c in r.choices}
+  assert len(texts) > 1  # Three draws of one seed differ: each choice has its own key.
+  again = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=6,
+                                    temperature=1.0, n=3, seed=5)
+  assert [c.text for c in again.choices] == [c.text[len("ROMEO."):] for c in r.choices]
+
+
+def test_a_stream_read_by_the_clients_iterator_is_the_answer_in_pieces(client):
+  args = dict(model=MODEL, prompt="To be, or not", max_tokens=20, temperature=0.8, seed=11)
+  whole = client.completions.create(**args).choices[0]
+  chunks = list(client.completions.create(**args, stream=True,
+                                          stream_options={"include_usage": True}))
+  pieces = [c for c in chunks if c.choices]
+  assert len(pieces) > 1 and "".join(c.choices[0].text for c in pieces) == whole.text
+  assert [c.choices[0].finish_reason for c in pieces] == [None] * (len(pieces) - 1) + [
+      whole.finish_reason]
+  assert chunks[-1].usage is not None and not chunks[-1].choices
+  assert chunks[-1].usage.completion_tokens >= 1
+
+
+def test_stop_strings_end_the_text_before_them(client):
+  args = dict(model=MODEL, prompt="JULIET.\nO", max_tokens=20, temperature=0.7, seed=2)
+  text = client.completions.create(**args).choices[0].text
+  stop = text[6:8]  # Some text it writes: it must end before its first occurrence.
+  assert len(stop) == 2, text
+  cut = client.completions.create(**args, stop=[stop, "\u00a7never\u00a7"]).choices[0]
+  assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop"
+  streamed = list(client.completions.create(**args, stop=stop, stream=True))
+  assert "".join(c.choices[0].text for c in streamed) == cut.text
+  assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_seed_gives_the_same_text_under_concurrent_load(client):
+  """One request with seed 7, alone and then among 11 others with other prompts and settings
+  running in the same slots: the same text."""
+  ask = dict(model=MODEL, prompt="ROMEO.", max_tokens=16, temperature=1.0, top_p=0.95, seed=7)
+  alone = client.completions.create(**ask).choices[0].text
+  others = [dict(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=4 + i, temperature=0.5 + i / 10,
+                 seed=i, n=1 + i % 2) for i in range(11)]
+  with concurrent.futures.ThreadPoolExecutor(12) as pool:
+    futures = [pool.submit(client.completions.create, **o) for o in others[:6]]
+    mine = pool.submit(client.completions.create, **ask)
+    futures += [pool.submit(client.completions.create, **o) for o in others[6:]]
+    assert mine.result().choices[0].text == alone
+    assert all(len(f.result().choices) == o["n"] for f, o in zip(futures, others))
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    (b'{"model": "lm_run", "prompt": ', 400, None, "the request body is not valid JSON"),
+    ({"model": "lm_run", "prompt": "word " * 60}, 400, "prompt",
+     r"prompt 0 has \d+ tokens and max_tokens is 16: the model holds 32 positions"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "max_tokens": 0}, 400, "max_tokens",
+     "max_tokens must be an integer from 1 to 32, got 0"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "max_tokens": 10 ** 6}, 400, "max_tokens",
+     "max_tokens must be an integer from 1 to 32"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "max_tokens": 30}, 400, "max_tokens",
+     r"prompt 0 has \d+ tokens and max_tokens is 30: .* so at most \d+ new tokens fit"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "n": 0}, 400, "n",
+     "n must be an integer from 1 to 12, got 0"),
+    ({"model": "lm_run", "prompt": ["a", "b", "c"], "n": 5}, 400, "n",
+     r"3 prompts x n=5 make 15 sequences; the limit is 12 per request \(--max_sentences\)"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "colour": "red"}, 400, "colour",
+     "unknown field 'colour'"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "best_of": 3}, 400, "best_of",
+     r"best_of is not supported by this server \(only 1\)"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "temperature": -1}, 400, "temperature",
+     "temperature must be a number from 0.0 to 2.0, got -1"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "top_k": 100000}, 400, "top_k",
+     r"top_k must be an integer from 0 to \d+, got 100000"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "logprobs": 6}, 400, "logprobs",
+     "logprobs must be an integer from 0 to 5, got 6"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "stop must be a string or a list of at most 4 non-empty strings"),
+    ({"model": "lm_run", "prompt": 7}, 400, "prompt", "prompt must be a string or a non-empty"),
+    ({"model": "gpt-4", "prompt": "ROMEO."}, 404, "model", "the model 'gpt-4' is not served"),
+])
+def test_bad_requests_get_openais_error_shape(server, body, status, param, message):
+  import re
+  connection = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+  data = body if isinstance(body, bytes) else json.dumps(body).encode()
+  connection.request("POST", "/v1/completions", body=data)
+  response = connection.getresponse()
+  error = json.loads(response.read())["error"]
+  assert response.status == status, error
+  assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+  assert re.search(message, error["message"]), error["message"]
+
+
+def test_the_client_raises_openais_errors(client):
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=0)
+  assert e.value.body["param"] == "max_tokens"
+  with pytest.raises(openai.NotFoundError):
+    client.completions.create(model="other", prompt="ROMEO.")
+  models = client.models.list()
+  assert [m.id for m in models.data] == [MODEL]
+
+
+def _open_stream(port, body):
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+  connection.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}))
+  response = connection.getresponse()
+  assert response.status == 200
+  return connection, response
+
+
+def _events(response):
+  """The data lines of a server-sent event stream, to its [DONE] (or the connection's end)."""
+  while line := response.fp.readline():
+    if line.startswith(b"data: "):
+      yield line[6:].strip().decode()
+      if line.strip() == b"data: [DONE]":
+        return
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slots(lm_run, tmp_path):
+  """48 sequences on one slot: the client reads one piece and hangs up; those still queued
+  never start, the slot frees, and the next request is answered."""
+  process, port, log = _serve(lm_run, tmp_path, "--slots=1", "--max_sentences=48")
+  try:
+    connection, response = _open_stream(port, {"model": MODEL, "prompt": "ROMEO.", "n": 48,
+                                               "max_tokens": 24, "temperature": 1.0})
+    next(_events(response))
+    connection.sock.shutdown(2)
+    connection.close()
+    deadline = time.monotonic() + 60
+    while (stats := get(port, "/stats")[1])["running"] or stats["queued"]:
+      assert time.monotonic() < deadline, stats
+      time.sleep(0.2)
+    assert stats["sequences"] < 48, stats  # Those still queued were dropped.
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=3).choices
+  finally:
+    assert stop_server(process) == 0, log.read_text()[-3000:]
+
+
+def test_sigterm_with_streams_open_ends_each_then_exits_0(lm_run, tmp_path):
+  """Three streams on one slot (two wait for it): SIGTERM once the first has a piece; each
+  stream still gets its whole text and [DONE], and the server exits 0."""
+  process, port, log = _serve(lm_run, tmp_path, "--slots=1")
+  body = {"model": MODEL, "prompt": "ROMEO.", "max_tokens": 20, "temperature": 0}
+  streams = [_open_stream(port, body) for _ in range(3)]
+  events = [_events(response) for _, response in streams]
+  first = [next(events[0])]
+  process.send_signal(15)
+  texts = []
+  for i, stream in enumerate(events):
+    got = (first if i == 0 else []) + list(stream)
+    assert got[-1] == "[DONE]", got
+    chunks = [json.loads(e) for e in got[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    texts.append("".join(c["choices"][0]["text"] for c in chunks))
+  assert texts[0] == texts[1] == texts[2] and texts[0]
+  assert process.wait(120) == 0, log.read_text()[-3000:]
