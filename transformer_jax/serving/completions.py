@@ -45,7 +45,7 @@ MAX_TEMPERATURE = 2.0
 STEPS_PER_RUN = 4  # Decoder steps between two looks of the host: a stream's pieces come this often.
 
 
-class ApiError(Exception):
+class Refused(Exception):
   """A refusal in OpenAI's shape."""
 
   def __init__(self, message: str, param: str | None = None, status: int = 400,
@@ -259,47 +259,47 @@ class Service:
     try:
       request = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
-      raise ApiError(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
+      raise Refused(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
     except (ValueError, RecursionError) as e:
-      raise ApiError(f"the request body is not valid JSON: {errors.first_line(e)}") from None
+      raise Refused(f"the request body is not valid JSON: {errors.first_line(e)}") from None
     if not isinstance(request, dict):
-      raise ApiError('the request must be a JSON object: {"model": ..., "prompt": ...}')
+      raise Refused('the request must be a JSON object: {"model": ..., "prompt": ...}')
     for name in request:
       if name in NEUTRAL:
         if request[name] != NEUTRAL[name]:
-          raise ApiError(f"{name} is not supported by this server (only {NEUTRAL[name]!r})",
+          raise Refused(f"{name} is not supported by this server (only {NEUTRAL[name]!r})",
                          name, code="unsupported_parameter")
       elif name not in FIELDS:
-        raise ApiError(f"unknown field {name!r}; this server takes {', '.join(FIELDS)}", name,
+        raise Refused(f"unknown field {name!r}; this server takes {', '.join(FIELDS)}", name,
                        code="unknown_parameter")
     model = request.get("model")
     if model != self.name:
-      raise ApiError(f"the model {model!r} is not served here; GET /v1/models lists "
+      raise Refused(f"the model {model!r} is not served here; GET /v1/models lists "
                      f"{self.name!r}", "model", status=404, code="model_not_found")
     texts = request.get("prompt")
     if isinstance(texts, str):
       texts = [texts]
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-      raise ApiError("prompt must be a string or a non-empty list of strings", "prompt")
+      raise Refused("prompt must be a string or a non-empty list of strings", "prompt")
     for i, text in enumerate(texts):
       if len(text) > self.limits.max_prompt_chars:
-        raise ApiError(f"prompt {i} has {len(text)} characters; the limit is "
+        raise Refused(f"prompt {i} has {len(text)} characters; the limit is "
                        f"{self.limits.max_prompt_chars} (--max_sentence_chars)", "prompt")
       try:
         text.encode("utf-8")
       except UnicodeEncodeError as e:
-        raise ApiError(f"prompt {i} holds a lone surrogate (character {e.start + 1}), not "
+        raise Refused(f"prompt {i} holds a lone surrogate (character {e.start + 1}), not "
                        "text", "prompt") from None
     n = _number(request, "n", 1, int, 1, self.limits.max_sequences)
     if len(texts) * n > self.limits.max_sequences:
-      raise ApiError(f"{len(texts)} prompts x n={n} make {len(texts) * n} sequences; the limit "
+      raise Refused(f"{len(texts)} prompts x n={n} make {len(texts) * n} sequences; the limit "
                      f"is {self.limits.max_sequences} per request (--max_sentences)", "n")
     max_tokens = _number(request, "max_tokens", 16, int, 1, self.max_len)
     prompts = [[BOS, *ids] for ids in self.tokenizer.encode(texts)]
     for i, ids in enumerate(prompts):
       room = self.max_len - len(ids)
       if room < max_tokens:
-        raise ApiError(
+        raise Refused(
             f"prompt {i} has {len(ids) - 1} tokens and max_tokens is {max_tokens}: the model "
             f"holds {self.max_len} positions (data.max_len), <bos> included, so at most "
             f"{max(room, 0)} new tokens fit", "max_tokens" if room > 0 else "prompt",
@@ -307,19 +307,19 @@ class Service:
     temperature = _number(request, "temperature", 1.0, float, 0.0, MAX_TEMPERATURE)
     top_p = _number(request, "top_p", 1.0, float, 0.0, 1.0)
     if top_p <= 0:
-      raise ApiError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+      raise Refused(f"top_p must be in (0, 1], got {top_p}", "top_p")
     vocab = self.tokenizer.vocab_size
     top_k = _number(request, "top_k", 0, int, 0, vocab)
     seed = request.get("seed")
     if seed is None:
       seed = int.from_bytes(os.urandom(4), "little")
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
-      raise ApiError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}", "seed")
+      raise Refused(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}", "seed")
     stop = request.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
     if (not isinstance(stop, list) or len(stop) > MAX_STOPS
         or not all(isinstance(s, str) and s for s in stop)):
-      raise ApiError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty "
+      raise Refused(f"stop must be a string or a list of at most {MAX_STOPS} non-empty "
                      "strings", "stop")
     logprobs = request.get("logprobs")
     if logprobs is not None:
@@ -328,7 +328,7 @@ class Service:
     stream = _flag(request, "stream")
     if options is not None and (not stream or not isinstance(options, dict)
                                 or set(options) - {"include_usage"}):
-      raise ApiError('stream_options must be {"include_usage": true or false}, with stream',
+      raise Refused('stream_options must be {"include_usage": true or false}, with stream',
                      "stream_options")
     return Request_(prompts=prompts, texts=texts, max_tokens=max_tokens, n=n,
                     draw=Draw(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
@@ -348,7 +348,7 @@ def _number(request: dict, name: str, default, kind, low, high):
                                         else isinstance(value, (int, float)))
   if not ok or not low <= value <= high:
     what = "an integer" if kind is int else "a number"
-    raise ApiError(f"{name} must be {what} from {low} to {high}, got {value!r}", name)
+    raise Refused(f"{name} must be {what} from {low} to {high}, got {value!r}", name)
   return kind(value)
 
 
@@ -357,7 +357,7 @@ def _flag(request: dict, name: str) -> bool:
   if value is None:
     return False
   if not isinstance(value, bool):
-    raise ApiError(f"{name} must be true or false, got {value!r}", name)
+    raise Refused(f"{name} must be true or false, got {value!r}", name)
   return value
 
 
@@ -448,13 +448,13 @@ def _stop_prefix(text: str, stops) -> int:
 async def _body(request: Request, limit: int) -> bytes:
   declared = request.headers.get("content-length", "")
   if declared.isdigit() and int(declared) > limit:
-    raise ApiError(f"the request body has {declared} bytes; the limit is {limit} "
+    raise Refused(f"the request body has {declared} bytes; the limit is {limit} "
                    "(--max_request_bytes)")
   chunks, size = [], 0
   async for chunk in request.stream():
     size += len(chunk)
     if size > limit:
-      raise ApiError(f"the request body is over {limit} bytes (--max_request_bytes)")
+      raise Refused(f"the request body is over {limit} bytes (--max_request_bytes)")
     chunks.append(chunk)
   return b"".join(chunks)
 
@@ -488,7 +488,7 @@ def create_app(service: Service) -> Starlette:
     for news of a choice already ended (a stop string met before its slot freed)."""
     index, positions, end = await events.get()
     if end == "error":
-      raise ApiError(f"the decoder stopped: {engine.error!r}", status=500, kind="server_error")
+      raise Refused(f"the decoder stopped: {engine.error!r}", status=500, kind="server_error")
     choice = choices[index]
     if choice.finish is not None:
       return None, False
@@ -522,20 +522,20 @@ def create_app(service: Service) -> Starlette:
           for c in choices], "usage": usage(parsed, choices)}
       status = 200
       return JSONResponse(body)
-    except ApiError as e:
+    except Refused as e:
       status = e.status
       return e.response()
     except QueueFull as e:
       status = 503
-      return ApiError(f"the queue is full: {e}", status=503, kind="server_error",
+      return Refused(f"the queue is full: {e}", status=503, kind="server_error",
                       code="queue_full", retry=True).response()
     except NotReady as e:
       status = 503
-      return ApiError(f"not ready: {e}", status=503, kind="server_error", code="not_ready",
+      return Refused(f"not ready: {e}", status=503, kind="server_error", code="not_ready",
                       retry=True).response()
     except ClientDisconnect:
       status = 400
-      return ApiError("the client went away before sending its request").response()
+      return Refused("the client went away before sending its request").response()
     finally:
       logging.info("POST /v1/completions %s sequences=%d latency_ms=%.1f", status, count,
                    1000 * (time.monotonic() - began))
@@ -576,7 +576,7 @@ def create_app(service: Service) -> Starlette:
 
   async def health(request: Request) -> JSONResponse:
     if engine.error is not None:
-      return ApiError(f"the decoder stopped: {engine.error!r}", status=500,
+      return Refused(f"the decoder stopped: {engine.error!r}", status=500,
                       kind="server_error").response()
     return JSONResponse({"status": "ok"})
 
