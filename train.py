@@ -4,7 +4,13 @@ The same command as `python -m transformer_jax train`; re-running it with the sa
 resumes from the latest checkpoint. The loop is transformer_jax/training/trainer.py.
 """
 
-from transformer_jax.commands import train
+from transformer_jax import errors
 
 if __name__ == "__main__":
-  train.run()
+  errors.note_interrupts()  # Ctrl-C from here on: exit 130 in one line (errors.run_command).
+
+  def run():
+    from transformer_jax.commands import train
+    train.run()
+
+  errors.run_command(run)

@@ -9,7 +9,8 @@
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
   export      a workdir's model as a CTranslate2 model or serialized jax decoders
-  serve       an HTTP translation server that batches concurrent requests
+  serve       an HTTP server of translations, or of a language model's completions
+              (OpenAI's API), decoding concurrent requests together
   download    the corpora and held-out test sets from their public sources
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+
+from transformer_jax import errors
 
 COMMANDS = ("train", "translate", "generate", "fill", "classify", "average", "visualize", "aot",
             "export", "serve", "download")
@@ -29,6 +32,7 @@ END_AT_ONCE = ("translate",)
 
 
 def main() -> None:
+  errors.note_interrupts()  # Ctrl-C from here on: exit 130 in one line (errors.run_command).
   if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
     print(__doc__.strip())
     sys.exit(0 if len(sys.argv) >= 2 else 2)
@@ -37,7 +41,7 @@ def main() -> None:
     sys.exit(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}")
   sys.argv = [f"python -m transformer_jax {name}", *sys.argv[2:]]
   try:
-    importlib.import_module(f"transformer_jax.commands.{name}").run()
+    errors.run_command(lambda: importlib.import_module(f"transformer_jax.commands.{name}").run())
   except SystemExit as done:  # absl's app.run ends every command with one.
     if name in END_AT_ONCE and not done.code:
       sys.stdout.flush()

@@ -47,8 +47,10 @@ def _flush() -> None:
 @contextlib.contextmanager
 def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[None]:
   """Runs a command's body: a UserError or an OSError (a disk that fills, a directory that
-  goes away) exits 1 with one line; Ctrl-C exits 130 with `interrupted`."""
+  goes away) exits 1 with one line; Ctrl-C exits 130 with `interrupted`, also one that came
+  while the command started and that a library swallowed (note_interrupts)."""
   try:
+    raise_if_interrupted()
     yield
   except UserError as e:
     _flush()
@@ -57,20 +59,32 @@ def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[
     _flush()
     sys.exit(f"error: {describe_os_error(e)}")
   except KeyboardInterrupt:
-    _flush()
-    print(f"error: {interrupted}", file=sys.stderr)
-    if _busy_threads():
-      # A library's worker thread (tfds's downloads) would hold the exit until its work ends.
-      sys.stderr.flush()
-      sys.stdout.flush()
-      os._exit(130)
-    sys.exit(130)
+    exit_interrupted(interrupted)
 
 
-def _busy_threads() -> list[threading.Thread]:
-  """The threads besides this one that Python waits for at exit."""
-  return [t for t in threading.enumerate()
-          if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+def exit_interrupted(message: str) -> None:
+  """`error: MESSAGE` and exit status 130, at once. Not through the interpreter's teardown:
+  with a library's threads still in their native work (tfds preparing a dataset, orbax reading
+  a checkpoint, XLA compiling) it crashed after the line (a segfault, exit 139), or waited for
+  them."""
+  _flush()
+  print(f"error: {message}", file=sys.stderr)
+  sys.stderr.flush()
+  sys.stdout.flush()
+  os._exit(130)
+
+
+def run_command(run) -> None:
+  """Runs a command (`run()`: its flags parsed, its body inside `reported`) with the interrupt
+  handler installed first, so that Ctrl-C at any moment exits 130 in one line: while the
+  libraries load and the flags parse too."""
+  note_interrupts()
+  try:
+    run()
+  except KeyboardInterrupt:  # Before the command's body began.
+    exit_interrupted("interrupted; nothing was written")
+  finally:  # Done: a Ctrl-C now would only cut the interpreter's teardown short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 _interrupted: list[int] = []
@@ -79,11 +93,22 @@ _interrupted: list[int] = []
 def note_interrupts() -> None:
   """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual and is also remembered, so that
   `raise_if_interrupted` catches one that library code swallowed (a conversion or a compile
-  that catches every exception) before a command commits its output."""
+  that catches every exception; at start-up, one during the flags' parsing, which loads the
+  config and jax) before a command goes on or commits its output."""
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    return  # Started with Ctrl-C ignored (nohup, a background job): left so.
+
   def handler(signum, frame):
     _interrupted.append(signum)
     raise KeyboardInterrupt
+
+  def unraisable(report):  # Raised where Python can only print it (jax's gc callback, a
+    if report.exc_type is not KeyboardInterrupt:  # __del__): noted above, acted on later.
+      default_unraisable(report)
+
+  default_unraisable = sys.unraisablehook
   signal.signal(signal.SIGINT, handler)
+  sys.unraisablehook = unraisable
 
 
 def raise_if_interrupted() -> None:

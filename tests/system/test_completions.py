@@ -209,13 +209,22 @@ def _events(response):
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slots(lm_run, tmp_path):
-  """48 sequences on one slot: the client reads one piece and hangs up; those still queued
-  never start, the slot frees, and the next request is answered."""
-  process, port, log = _serve(lm_run, tmp_path, "--slots=1", "--max_sentences=48")
+  """48 sequences on one slot: while they wait, a request that would overflow the queue gets
+  503; the client reads one piece and hangs up; those still queued never start, the slot
+  frees, and the next request is answered."""
+  process, port, log = _serve(lm_run, tmp_path, "--slots=1", "--max_sentences=48",
+                              "--max_queue=60")
   try:
     connection, response = _open_stream(port, {"model": MODEL, "prompt": "ROMEO.", "n": 48,
                                                "max_tokens": 24, "temperature": 1.0})
     next(_events(response))
+    other = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    other.request("POST", "/v1/completions", body=json.dumps(
+        {"model": MODEL, "prompt": "ROMEO.", "n": 20, "max_tokens": 4}))
+    full = other.getresponse()
+    error = json.loads(full.read())["error"]
+    assert full.status == 503 and full.getheader("Retry-After") == "1", error
+    assert error["code"] == "queue_full" and "the queue is full" in error["message"]
     connection.sock.shutdown(2)
     connection.close()
     deadline = time.monotonic() + 60

@@ -302,3 +302,36 @@ def test_train_py_names_a_directory_that_is_no_checkpoint_in_one_line(checkpoint
     c = config_lib.base_config()
     c.data.tokenizer = "huggingface"
     config_lib.parse(c)
+
+
+def _cut_in_half(path: Path) -> None:
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+
+
+def test_a_weights_file_cut_short_is_one_line_naming_it(checkpoints, tmp_path, tfds_dir,
+                                                        cache_dir):
+  """A download cut short: train.py from it says which file, in one line, and writes no
+  workdir; a damaged shard index likewise."""
+  path = _damaged(checkpoints, tmp_path, "gpt2", lambda p: _cut_in_half(p / "model.safetensors"))
+  workdir = tmp_path / "ft"
+  command = [sys.executable, "train.py", "--config",
+             f"configs/huggingface_shakespeare.py:{path},smoke", "--workdir", str(workdir),
+             f"--config.data.data_dir={DATA / 'shakespeare'}", f"--config.data.tfds_dir={tfds_dir}",
+             f"--config.run.compilation_cache_dir={cache_dir}", "--config.data.num_workers=0"]
+  proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"error: {path / 'model.safetensors'} cannot be read (Error while deserializing header: "
+      "incomplete metadata, file not fully covered): a file cut short or damaged; fetch the "
+      "checkpoint again")
+  assert not workdir.exists()
+
+  def sharded(p: Path) -> None:
+    (p / "model.safetensors").rename(p / "model-00001-of-00001.safetensors")
+    (p / "model.safetensors.index.json").write_text('{"weight_map": {"wte": "model-000')
+
+  broken = _damaged(checkpoints, tmp_path, "bert", sharded)
+  with pytest.raises(huggingface.CheckpointError) as error:
+    huggingface.Checkpoint.open(broken).tensors()
+  assert str(error.value).startswith(f"{broken / 'model.safetensors.index.json'} is damaged (")

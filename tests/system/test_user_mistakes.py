@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax.training import trainer
+from tests import runs
 from tests.conftest import DATA, ROOT
 from transformer_jax.data import pipeline
 from transformer_jax.data.packing import NoPairsError
@@ -192,6 +195,73 @@ def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "20"]
+
+
+def _interrupt_at(command: list[str], seconds: float) -> tuple[int | None, str, bool]:
+  """Starts `command` as from a terminal (SIGINT at its default), sends SIGINT `seconds`
+  after it started: (exit status, its output, whether the training loop had been reached
+  when the signal went). None for the status where it ended before the signal."""
+  proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  time.sleep(seconds)
+  if proc.poll() is not None:
+    reader.join()
+    return None, "".join(lines), False
+  looping = any("starting from scratch" in line for line in lines)
+  proc.send_signal(signal.SIGINT)
+  status = proc.wait(timeout=300)
+  reader.join()
+  return status, "".join(lines), looping
+
+
+def _interrupted_in_one_line(status: int, out: str, *messages: str) -> None:
+  assert "Segmentation fault" not in out and "Fatal Python error" not in out, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  assert status == 130, out[-3000:]
+  assert out.strip().splitlines()[-1] in [f"error: {m}" for m in messages], out[-2000:]
+
+
+@pytest.mark.parametrize("seconds", [0.6, 1.2, 1.8, 2.5, 3.5, 5.0])
+def test_ctrl_c_at_any_moment_of_trainings_start_exits_130_in_one_line(seconds, tmp_path,
+                                                                       cache_dir):
+  """While the libraries load, the flags parse (the config, jax), the tokenizer is trained and
+  the dataset written: exit 130 with one line and nothing saved; never a run that goes on
+  to its end, nor a crash after the line. (Once the loop has begun, a Ctrl-C saves a
+  checkpoint and exits 0: tests/system/test_reliability.py.)"""
+  workdir = tmp_path / "w"
+  command = runs.shakespeare_command("lm_shakespeare", workdir, tmp_path / "tfds", cache_dir)
+  status, out, looping = _interrupt_at(command, seconds)
+  if status is None:
+    pytest.fail(f"train.py ended within {seconds} s: {out[-1000:]}")
+  if looping and status == 0:
+    return  # The signal met the loop: a checkpoint and exit 0, as documented.
+  # Before train.py's body began (the libraries loading, the flags parsing), or in it.
+  _interrupted_in_one_line(status, out, "interrupted; nothing was written", "interrupted "
+                           "before training started; nothing was saved. Run the same command "
+                           "to start again")
+  assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("seconds", [0.6, 1.5, 2.5, 4.0])
+def test_ctrl_c_at_any_moment_of_average_or_export_exits_130_and_writes_nothing(
+    seconds, trained, tmp_path):
+  _, workdir = trained
+  for command, out in (("average", tmp_path / "avg"), ("export", tmp_path / "hf")):
+    flags = (["--last", "2", "--output", str(out)] if command == "average"
+             else ["--to", "huggingface", str(out)])
+    status, log, _ = _interrupt_at([sys.executable, "-m", "transformer_jax", command,
+                                    "--workdir", str(workdir), *flags], seconds)
+    if status is None or out.is_dir():  # It ended first, or its work had: what it wrote is
+      assert status in (None, 0) and out.is_dir(), log[-2000:]  # whole.
+      assert "Traceback" not in log and "Segmentation fault" not in log, log[-2000:]
+      shutil.rmtree(out)
+      continue
+    _interrupted_in_one_line(status, log, "interrupted; nothing was written")
+    assert not out.exists() and not list(tmp_path.glob(".*partial*")), log[-2000:]
 
 
 def test_a_ctrl_c_that_library_code_swallowed_still_stops_training(smoke_config, tmp_path,
@@ -408,3 +478,24 @@ def test_translate_reads_standard_input_given_as_a_dash(trained):
                           str(trained[1]), "I lost.", "Go."], cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
   assert alone.stdout.splitlines() == [lines[0], lines[2]]
+
+
+def test_a_vocab_size_below_what_the_corpus_needs_is_one_line(tmp_path, cache_dir):
+  """SentencePiece needs a piece for each character (and, lossless, each byte): a smaller
+  data.vocab_size is one line naming the least that works, and no run."""
+  workdir = tmp_path / "w"
+  result = subprocess.run(runs.shakespeare_command(
+      "lm_shakespeare", workdir, tmp_path / "tfds", cache_dir, "--config.data.vocab_size=100"),
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  needed = re.fullmatch(r"error: data.vocab_size=100 is below the (\d+) pieces this corpus "
+                        r"needs \(each of its characters, the 256 bytes and the reserved ids\): "
+                        r"raise it to at least (\d+)", last)
+  assert needed and needed[1] == needed[2] and int(needed[1]) > 256, last
+  assert not (workdir / "checkpoints").exists()
+  again = subprocess.run(runs.shakespeare_command(
+      "lm_shakespeare", workdir, tmp_path / "tfds", cache_dir,
+      f"--config.data.vocab_size={needed[1]}", "--config.run.num_steps=2"),
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]

@@ -20,7 +20,6 @@ def define_flags() -> None:
 
 def main(argv):
   FLAGS = flags.FLAGS
-  errors.note_interrupts()
   with errors.reported():
     if len(argv) > 1:
       raise AverageError(f"unexpected arguments {argv[1:]}")

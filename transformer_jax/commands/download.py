@@ -29,7 +29,6 @@ def define_flags() -> None:
 
 def main(argv):
   FLAGS = flags.FLAGS
-  errors.note_interrupts()
   with errors.reported("interrupted; the files already written are whole: run the same "
                        "command to write the rest"):
     if len(argv) > 1:

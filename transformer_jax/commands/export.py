@@ -37,7 +37,6 @@ def define_flags() -> None:
 
 def main(argv):
   FLAGS = flags.FLAGS
-  errors.note_interrupts()
   with errors.reported():
     if len(argv) != 2:
       raise ExportError("name one output directory: export --workdir W --to FORMAT OUT")

@@ -35,7 +35,6 @@ def main(argv):
       raise errors.UserError(f"unexpected arguments {argv[1:]}")
     if F.config is None or F.workdir is None:
       raise errors.UserError("--config and --workdir are required")
-    errors.note_interrupts()  # The trainer checks for one before its loop begins.
     # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
     logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
     launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,

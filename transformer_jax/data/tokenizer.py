@@ -70,12 +70,21 @@ class SentencePiece:
     exact = dict(normalization_rule_name="identity", remove_extra_whitespaces=False,
                  add_dummy_prefix=False, user_defined_symbols=["\n"],
                  allow_whitespace_only_pieces=True, byte_fallback=True) if lossless else {}
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
-        model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
-        unk_id=UNK, input_sentence_size=max_sentences, shuffle_input_sentence=True,
-        num_threads=2, minloglevel=2, hard_vocab_limit=False,  # Small corpora: fewer pieces.
-        **exact)
+    try:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+          model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
+          unk_id=UNK, input_sentence_size=max_sentences, shuffle_input_sentence=True,
+          num_threads=2, minloglevel=2, hard_vocab_limit=False,  # Small corpora: fewer pieces.
+          **exact)
+    except RuntimeError as e:
+      needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+      if not needed:
+        raise
+      what = "each of its characters, the 256 bytes" if lossless else "each of its characters"
+      raise TokenizerError(
+          f"data.vocab_size={vocab_size} is below the {needed[1]} pieces this corpus needs "
+          f"({what} and the reserved ids): raise it to at least {needed[1]}") from None
     return cls(model.getvalue())
 
   def encode(self, texts):

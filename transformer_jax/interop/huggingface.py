@@ -77,7 +77,7 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
-from transformer_jax import fs
+from transformer_jax import errors, fs
 from transformer_jax.data.tokenizer import (BOS, EOS, NEW, PAD, UNK, HuggingFaceTokenizer,
                                             SentencePiece, Tokenizers)
 from transformer_jax.decoding import restore
@@ -195,13 +195,25 @@ class Checkpoint:
     """Every saved tensor as float32 NumPy, by the names the tables use: GPT-2's under
     "transformer." (a GPT2Model's have no prefix), BERT's old LayerNorm gamma/beta as
     weight/bias, its masked-LM bias by either of its names."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
-    files = ([self.path / WEIGHTS] if (self.path / WEIGHTS).is_file() else
-             [self.path / f for f in sorted(set(json.loads((self.path / INDEX).read_text())
-                                                ["weight_map"].values()))])
+    if (self.path / WEIGHTS).is_file():
+      files = [self.path / WEIGHTS]
+    else:
+      try:
+        shards = json.loads((self.path / INDEX).read_text(encoding="utf-8"))["weight_map"]
+        files = [self.path / f for f in sorted(set(shards.values()))]
+      except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{self.path / INDEX} is damaged ({errors.first_line(e)}): "
+                              "fetch the checkpoint again") from None
     out = {}
     for file in files:
-      for name, value in load_file(str(file)).items():
+      try:
+        tensors = load_file(str(file))
+      except SafetensorError as e:  # A download cut short: "incomplete metadata", ...
+        raise CheckpointError(f"{file} cannot be read ({errors.first_line(e)}): a file cut "
+                              "short or damaged; fetch the checkpoint again") from None
+      for name, value in tensors.items():
         if self.family == "decoder_only" and not name.startswith(("transformer.", "lm_head.")):
           name = "transformer." + name
         name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
