@@ -436,7 +436,15 @@ def test_a_masked_language_model_exports_to_bert_with_the_same_ids_and_logits(ml
   text = "To be, or not to [MASK], that is the [MASK]."
   assert theirs(text).input_ids == filler.encode(text, 1)  # [MASK] is our mask id.
   rows = [filler.encode(line[:40] + " [MASK]", i) for i, line in enumerate(lines[60:66])]
-  assert exported.logit_gap(mlm_run, out, "BertForMaskedLM", rows) < 1e-4
+  vocab = filler.tokenizer.vocab_size
+  text_ids = [i if UNK <= i < vocab else -1 for i in range(filler.model.cfg.tgt_vocab_size)]
+  assert exported.logit_gap(mlm_run, out, "BertForMaskedLM", rows, columns=text_ids) < 1e-4
+  # A fill-mask pipeline offers what `fill` does: pieces of text, never <pad>, [MASK] or the
+  # padded vocabulary's ids, at any depth.
+  from transformers import pipeline
+  fill_mask = pipeline("fill-mask", model=str(out), tokenizer=str(out), top_k=vocab - UNK)
+  offered = fill_mask("To be, or not to [MASK].")
+  assert len(offered) == vocab - UNK and all(UNK <= o["token"] < vocab for o in offered)
 
 
 def test_a_classifier_exports_to_bert_with_its_labels_and_the_same_logits(genre_run, tmp_path):

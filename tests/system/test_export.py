@@ -213,6 +213,8 @@ def test_a_translation_model_exports_to_marian_with_the_same_ids_logits_and_gree
                              max_new_tokens=max_len, num_beams=1, do_sample=False).tolist()
   cut = lambda row: row[1:row.index(EOS)] if EOS in row else [t for t in row[1:] if t != PAD]
   assert [cut(row) for row in generated] == outputs
+  # Without a length of its own, generate() may go on to the model's positions (not 20).
+  assert model.generation_config.max_length == translator.model.cfg.max_len > 20
   decoder_in, mask = exported.padded([[BOS] + row for row in outputs])
   a = exported.our_outputs(workdir, src, decoder_in)
   with torch.no_grad():

@@ -36,7 +36,10 @@ bias of their own), word vocabularies. The tokenizer is this run's SentencePiece
 where this project's model reads one (language models, classifiers), <eos> after a translation
 source. A generating model's generation_config.json keeps generate() from choosing what this
 project's decoders never choose: the padded vocabulary's ids (and <pad>, <bos>, <unk> for a
-language model).
+language model), and sets its length limit to the model's max_len (generate()'s own is 20
+tokens). A masked model's output bias at the ids that stand for no text (<pad>, <bos>, <eos>,
+[MASK], the padded vocabulary's) is NO_TEXT_BIAS, so that a fill-mask pipeline offers pieces of
+text only, as `fill` does; its logits at every other id are ours.
 A run that started from a Hugging Face checkpoint (data.tokenizer='huggingface') goes back in
 that checkpoint's ids with its own tokenizer.json (`_in_checkpoint_ids`).
 
@@ -92,6 +95,9 @@ ARCHITECTURES = {"GPT2LMHeadModel": "decoder_only", "BertForMaskedLM": "encoder_
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh"}
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+# An exported masked model's output bias at the ids that stand for no text (<pad>, <bos>,
+# <eos>, [MASK] and the padded vocabulary's), which `fill` never offers: no pipeline ranks them.
+NO_TEXT_BIAS = -1e4
 CONFIG = "config.json"  # The format's own, not a workdir's.
 _TABLES = {"GPT2LMHeadModel": tables.GPT2, "BertForMaskedLM": tables.BERT_MASKED_LM}
 
@@ -515,6 +521,10 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
                "pad_token": pieces[PAD]}
     if kind == "encoder_only":
       special["mask_token"] = MASK_TOKEN
+    if kind == "encoder_only":  # A fill-mask pipeline ranks every id: only pieces of text.
+      bias = weights["cls.predictions.bias"].copy()
+      bias[:UNK] = bias[tok.vocab_size:] = NO_TEXT_BIAS
+      weights["cls.predictions.bias"] = bias
     text = tokenizer_json(tok, mask=kind == "encoder_only",
                           prepend_bos=kind in ("decoder_only", "classifier"),
                           append_eos=kind == "encoder_decoder")
@@ -535,7 +545,9 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
         never = ([PAD, BOS, UNK] if kind == "decoder_only" else []) + list(
             range(tok.vocab_size, cfg.tgt_vocab_size))
       start = {"decoder_start_token_id": BOS} if kind == "encoder_decoder" else {}
+      # max_length: without it generate() stops at 20 tokens; the model holds max_len.
       (partial / "generation_config.json").write_text(json.dumps(
-          {**ids, **start, "suppress_tokens": never, "do_sample": False}, indent=2))
+          {**ids, **start, "suppress_tokens": never, "do_sample": False,
+           "max_length": cfg.max_len}, indent=2))
   logging.info("Exported step %d of %s to %s (%s)", step, workdir, output,
                hf_config["architectures"][0])
