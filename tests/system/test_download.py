@@ -158,9 +158,12 @@ def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tato
   out = tmp_path / "data"
   (tmp_path / "a_file").write_text("")
   _fails(["--mirror", str(mirror)], f"--out {tmp_path / 'a_file'} is a file", tmp_path / "a_file")
+  (tmp_path / "empty").mkdir()
+  # A folder under a file: named before any source is read (here, an empty mirror's).
+  _fails(["--mirror", str(tmp_path / "empty")], f"--out {tmp_path / 'a_file' / 'data'} cannot be "
+         f"created: {tmp_path / 'a_file'} is a file", tmp_path / "a_file" / "data")
   _fails(["--mirror", str(tmp_path / "none")], f"--mirror {tmp_path / 'none'} is not a directory",
          out)
-  (tmp_path / "empty").mkdir()
   _fails(["--mirror", str(tmp_path / "empty")], "holds no fra-eng.zip", out)
   _fails(["--mirror", str(mirror), "--sets", "fra-eng,wmt"], "choose among fra-eng", out)
   news = mirror / "newstest2014.fra"

@@ -363,6 +363,14 @@ def test_generate_on_a_translation_workdir_and_translate_or_visualize_on_a_langu
       f"error: {lm_run} holds a language model (model.family='decoder_only'): `visualize` "
       "needs a translation model; use `generate`")
   assert not (lm_run.parent / "maps").exists()
+  for to in ("ctranslate2", "jax"):  # Formats of translation models: the one that fits named.
+    proc = subprocess.run([sys.executable, "-m", "transformer_jax", "export", "--workdir",
+                           str(lm_run), "--to", to, str(lm_run.parent / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: {lm_run} holds a language model (model.family='decoder_only'): --to {to} "
+        "exports translation models; export this one with --to huggingface")
+  assert not (lm_run.parent / "out").exists()
 
 
 # Bad input to training: one line, nothing written.

@@ -175,3 +175,24 @@ def test_the_abstract_state_is_the_created_state_without_values():
   for a, x in pairs:
     assert isinstance(a, jax.ShapeDtypeStruct)
     assert (a.shape, a.dtype, a.sharding) == (x.shape, x.dtype, x.sharding)
+
+
+@pytest.mark.quick
+def test_the_time_left_counts_the_evaluations_to_come(monkeypatch):
+  """The training line's time left: the steps left at the measured rate (evaluations
+  excluded) and the evaluations left at the mean time of those done."""
+  from transformer_jax.training import writers
+  clock = [0.0]
+  monkeypatch.setattr(writers.time, "perf_counter", lambda: clock[0])
+  progress = writers.Progress(num_steps=100, start_step=0, eval_every=25)
+  assert progress.seconds_left(0, 1.0) == 100  # No evaluation measured yet.
+  clock[0] = 25.0
+  progress.report(25)
+  clock[0] = 85.0
+  progress.exclude(60.0)  # The evaluation at step 25 took a minute.
+  clock[0] = 110.0
+  rate = progress.report(50)["steps_per_sec"]
+  assert rate == 1.0 and progress.evals_left(50) == 2  # At steps 75 and 100.
+  assert progress.seconds_left(50, rate) == 50 + 2 * 60
+  last = writers.Progress(num_steps=90, start_step=0, eval_every=25)
+  assert [last.evals_left(s) for s in (10, 74, 75, 80, 90)] == [4, 2, 1, 1, 0]

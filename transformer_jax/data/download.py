@@ -285,6 +285,7 @@ def download(out: str | Path, sets: Iterable[str] = SETS, mirror: str | Path | N
       log(f"{out / name}: already there")
   if not missing:
     return []
+  fs.check_writable(out, "--out")  # Before any fetching: a mistyped --out costs no download.
   fetch = _Fetcher(mirror if mirror is not None else os.environ.get(MIRROR_ENV) or None, log)
   files: dict[str, bytes] = {}
   for name in missing:
@@ -300,7 +301,6 @@ def download(out: str | Path, sets: Iterable[str] = SETS, mirror: str | Path | N
     if path.exists() and (not path.is_file() or path.read_bytes() != data):
       raise DownloadError(f"{path} exists and differs from the file to write; move it away "
                           "(nothing was written)")
-  fs.check_writable(out, "--out")
   written = []
   for name, data in sorted(files.items()):
     path = out / name

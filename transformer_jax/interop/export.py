@@ -28,7 +28,7 @@ from transformer_jax.decoding.translator import Translator
 from transformer_jax.errors import UserError
 from transformer_jax.interop import ctranslate2, huggingface, jax_export
 from transformer_jax.interop.ctranslate2 import QUANTIZATIONS
-from transformer_jax.workdir import Workdir, check_outside_runs
+from transformer_jax.workdir import MODEL_KINDS, Workdir, check_outside_runs
 
 FORMATS = ("ctranslate2", "jax", "huggingface")
 
@@ -64,7 +64,11 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
       raise ExportError(f"{workdir} has no Hugging Face counterpart: {why}")
     huggingface.export(workdir, output, step)
     return output
-  Workdir(workdir).check_family("encoder_decoder", f"export --to {to}")
+  run = Workdir(workdir)
+  if run.model_kind() != "encoder_decoder":  # Formats of translation models only.
+    raise ExportError(f"{workdir} holds a {MODEL_KINDS[run.model_kind()][0]} (model.family="
+                      f"{run.load_config().model.family!r}): --to {to} exports translation "
+                      "models; export this one with --to huggingface")
   if to == "ctranslate2" and importlib.util.find_spec("ctranslate2") is None:
     raise ExportError("--to ctranslate2 needs CTranslate2: pip install 'transformer_jax[export]'")
   translator = Translator(workdir, step, ema=True)

@@ -128,7 +128,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   if start == 0:
     writer.write_hparams({f"{name}.{k}": v for name, fields in cfg.to_dict().items()
                            for k, v in fields.items()})
-  progress = writers.Progress(run.num_steps, start)
+  progress = writers.Progress(run.num_steps, start, ev.every)
   schedule = step_lib.learning_rate_schedule(cfg.optimizer, run.num_steps)
   bleu_eval = data.bleu_pairs and BleuEval(
       model, data.tokenizers, data.bleu_pairs, data_cfg.max_len, ev.batch_size)

@@ -181,15 +181,31 @@ def create(workdir: str | Path, is_primary: bool, resume_step: int = 0) -> Loggi
 
 
 class Progress:
-  """Steps per second and time left, measured between calls (evaluation time excluded)."""
+  """Steps per second (evaluation time excluded) and time left, measured between calls: the
+  steps left at that rate and the evaluations left (every `eval_every` steps and at the last)
+  at the mean time of those done so far."""
 
-  def __init__(self, num_steps: int, start_step: int):
-    self.num_steps, self.last_step = num_steps, start_step
+  def __init__(self, num_steps: int, start_step: int, eval_every: int = 0):
+    self.num_steps, self.last_step, self.eval_every = num_steps, start_step, eval_every
     self.last_time, self.paused = time.perf_counter(), 0.0
+    self.eval_seconds, self.evals = 0.0, 0
 
   def exclude(self, seconds: float) -> None:
-    """Time spent outside training (evaluation, BLEU) since the last report."""
+    """Time spent in an evaluation (its metrics, BLEU) since the last report."""
     self.paused += seconds
+    self.eval_seconds += seconds
+    self.evals += 1
+
+  def evals_left(self, step: int) -> int:
+    """Evaluations after `step`: each multiple of eval_every up to num_steps, and the last."""
+    if not self.eval_every or step >= self.num_steps:
+      return 0
+    multiples = self.num_steps // self.eval_every - step // self.eval_every
+    return multiples + (self.num_steps % self.eval_every != 0)
+
+  def seconds_left(self, step: int, rate: float) -> float:
+    mean_eval = self.eval_seconds / self.evals if self.evals else 0.0
+    return (self.num_steps - step) / max(rate, 1e-9) + self.evals_left(step) * mean_eval
 
   def report(self, step: int) -> dict[str, float]:
     now = time.perf_counter()
@@ -197,6 +213,6 @@ class Progress:
     rate = (step - self.last_step) / elapsed
     logging.info("Step %d of %d (%.0f%%), %.2f steps/s, about %.0f min left", step,
                  self.num_steps, 100 * step / self.num_steps, rate,
-                 (self.num_steps - step) / max(rate, 1e-9) / 60)
+                 self.seconds_left(step, rate) / 60)
     self.last_step, self.last_time, self.paused = step, now, 0.0
     return {"steps_per_sec": rate, "seconds": elapsed}
