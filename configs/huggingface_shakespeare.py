@@ -10,17 +10,23 @@ BertForMaskedLM as a masked language model (masked-token accuracy), both on the 
 configs/lm_shakespeare.py, rows of up to 128 tokens, a learning rate of 1e-4 after 100 warm-up
 steps. A model field set on the command line that disagrees with the checkpoint is refused,
 naming the field. `configs/huggingface_shakespeare.py:CHECKPOINT,smoke` runs a few steps.
+This file reads CHECKPOINT whenever it is loaded; `train.py --workdir runs/gpt2_shakespeare`
+alone resumes the run from its own config.json without it (CHECKPOINT moved or deleted).
 """
 
-from transformer_jax.config import base_config, check, smoke
-from transformer_jax.interop.huggingface import Checkpoint
+from transformer_jax.config import ConfigError, base_config, check, smoke
+from transformer_jax.interop.huggingface import Checkpoint, CheckpointError
 
 
 def get_config(arg=None):
   path = (arg or "").removesuffix(",smoke")
   check(bool(path), "configs/huggingface_shakespeare.py needs the checkpoint's directory: "
         "configs/huggingface_shakespeare.py:CHECKPOINT")
-  checkpoint = Checkpoint.open(path)
+  try:
+    checkpoint = Checkpoint.open(path)
+  except CheckpointError as e:  # Moved or deleted since a run started from it, maybe.
+    raise ConfigError(f"{e}; a run that started from it resumes without it: train.py "
+                      "--workdir WORKDIR alone (the run's own config.json)") from None
   c = base_config()
   c.data.update(dataset="shakespeare", tokenizer="huggingface",
                 max_len=min(128, checkpoint.max_len), batch_size=32)

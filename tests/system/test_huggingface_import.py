@@ -4,6 +4,7 @@ training works, saved with save_pretrained and started from here."""
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -335,3 +336,34 @@ def test_a_weights_file_cut_short_is_one_line_naming_it(checkpoints, tmp_path, t
   with pytest.raises(huggingface.CheckpointError) as error:
     huggingface.Checkpoint.open(broken).tensors()
   assert str(error.value).startswith(f"{broken / 'model.safetensors.index.json'} is damaged (")
+
+
+def test_a_run_started_from_a_checkpoint_resumes_once_that_checkpoint_moved(
+    checkpoints, tmp_path, tfds_dir, cache_dir):
+  """configs/huggingface_shakespeare.py:DIR reads DIR as it loads: once DIR is gone it says
+  so in one line, naming the command that resumes without it, `train.py --workdir W`, which
+  goes on from the run's checkpoint and its own config.json."""
+  from tests import runs
+  source = tmp_path / "gpt2"
+  shutil.copytree(checkpoints["gpt2"], source)
+  workdir = tmp_path / "ft"
+  command = [sys.executable, "train.py", "--config",
+             f"configs/huggingface_shakespeare.py:{source},smoke", "--workdir", str(workdir),
+             f"--config.data.data_dir={DATA / 'shakespeare'}", f"--config.data.tfds_dir={tfds_dir}",
+             f"--config.run.compilation_cache_dir={cache_dir}", "--config.data.num_workers=0",
+             "--config.run.num_steps=8", "--config.run.checkpoint_every=2",
+             "--config.run.log_every=1", "--config.eval.every=8"]
+  runs.kill_after_step(command, 5)  # Its checkpoint of step 2 is whole by then, maybe 4.
+  source.rename(tmp_path / "moved")
+  again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 1, again.stderr[-2000:]
+  assert again.stderr.strip().splitlines()[-1].endswith(
+      f"run.init_from={str(source)!r} holds no readable config.json (FileNotFoundError): not a "
+      "Hugging Face checkpoint; a run that started from it resumes without it: train.py "
+      "--workdir WORKDIR alone (the run's own config.json)")
+  resumed = subprocess.run([sys.executable, "train.py", "--workdir", str(workdir)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert re.search(r"Resuming from the checkpoint of step [24] .* \(run.init_from='[^']+' is "
+                   r"not read again\)", resumed.stderr), resumed.stderr[-3000:]
+  assert 8 in [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]

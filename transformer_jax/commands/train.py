@@ -1,6 +1,8 @@
 """Trains the Transformer: train --config configs/NAME.py[:ARG] --workdir DIR.
 
-Re-running the same command with the same workdir resumes from the latest checkpoint.
+Re-running the same command with the same workdir resumes from the latest checkpoint; so does
+`train --workdir DIR` alone, with the config the run saved (its config.json), which reads
+nothing the config file read (a Hugging Face checkpoint the run started from).
 """
 
 from __future__ import annotations
@@ -33,15 +35,23 @@ def main(argv):
                        "command to start again"):
     if len(argv) > 1:
       raise errors.UserError(f"unexpected arguments {argv[1:]}")
-    if F.config is None or F.workdir is None:
-      raise errors.UserError("--config and --workdir are required")
+    if F.workdir is None:
+      raise errors.UserError("--workdir is required (and --config, for a new run)")
+    config = F.config
+    if config is None:  # A run resumed with its own config.json (nothing else is read again).
+      from transformer_jax.workdir import Workdir
+      run = Workdir(F.workdir)
+      if not run.config_file.is_file():
+        raise errors.UserError(f"--config is required: {F.workdir} holds no config.json of a "
+                               "run to resume")
+      config = run.load_config()
     # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
     logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
     launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,
                                   F.distributed)
     # jax and the data stack load after the flags parse.
     from transformer_jax.training import trainer
-    trainer.train_and_evaluate(F.config, F.workdir)
+    trainer.train_and_evaluate(config, F.workdir)
 
 
 def run() -> None:
