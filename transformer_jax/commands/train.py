@@ -42,8 +42,8 @@ def main(argv):
       from transformer_jax.workdir import Workdir
       run = Workdir(F.workdir)
       if not run.config_file.is_file():
-        raise errors.UserError(f"--config is required: {F.workdir} holds no config.json of a "
-                               "run to resume")
+        raise errors.UserError(f"{F.workdir} holds no config.json of a run to resume: a new "
+                               "run needs --config")
       config = run.load_config()
     # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
     logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
