@@ -499,3 +499,12 @@ def test_a_vocab_size_below_what_the_corpus_needs_is_one_line(tmp_path, cache_di
       f"--config.data.vocab_size={needed[1]}", "--config.run.num_steps=2"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_train_py_without_a_config_resumes_only_a_run(tmp_path):
+  result = _run("train.py", "--workdir", str(tmp_path / "new"))
+  assert _one_error_line(result) == (f"error: {tmp_path / 'new'} holds no config.json of a run "
+                                     "to resume: a new run needs --config")
+  assert not (tmp_path / "new").exists()
+  assert _one_error_line(_run("train.py")) == (
+      "error: --workdir is required (and --config, for a new run)")
