@@ -492,3 +492,18 @@ def test_export_refuses_a_language_model_gpt2_cannot_hold(lm_run, tmp_path):
   proc = exported.export_command(lm_run, tmp_path / "taken")
   assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
       f"error: {tmp_path / 'taken'} exists; name a new directory for the exported model")
+
+
+def test_a_compilation_cache_that_cannot_be_written_is_one_warning(lm_run, tmp_path):
+  """A read-only workdir's cache (here one under a file: root writes anywhere else): one
+  warning, the same text, none of jax's warnings at each program."""
+  (tmp_path / "a_file").write_text("")
+  cache = tmp_path / "a_file" / "cache"
+  proc = _generate("--workdir", lm_run, "ROMEO.", "--max_new_tokens", 6,
+                   "--compilation_cache_dir", cache)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  said = [line for line in proc.stderr.splitlines() if "compilation cache" in line]
+  assert len(said) == 1 and said[0].endswith(
+      f"the compilation cache {cache} cannot be created: {tmp_path / 'a_file'} is a file: "
+      "compiling without it (--compilation_cache_dir names another)"), said
+  assert proc.stdout == _generate("--workdir", lm_run, "ROMEO.", "--max_new_tokens", 6).stdout

@@ -108,14 +108,22 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f"error: {errors.first_line(e)}")
 
 
-def use_compilation_cache(workdir: str | Path, directory: str | None = None) -> Path:
+def use_compilation_cache(workdir: str | Path, directory: str | None = None) -> Path | None:
   """Turns on jax's persistent compilation cache for a command that decodes with `workdir`'s
   model: `directory`, else the training run's (run.compilation_cache_dir, or WORKDIR/jax_cache),
   so that a later command (or a restart) loads its programs instead of compiling them. Every
-  program is kept, however fast it compiled: a command compiles a handful."""
+  program is kept, however fast it compiled: a command compiles a handful. Returns the cache's
+  directory; None, with one warning, where it cannot be written (a read-only workdir): the
+  command then compiles without it (jax would warn at every program)."""
+  from transformer_jax import fs
   from transformer_jax.workdir import Workdir
   run_dir = Workdir(workdir)
   path = Path(directory or run_dir.load_config().run.compilation_cache_dir or run_dir.jax_cache)
+  try:
+    fs.check_writable(path, "the compilation cache")
+  except fs.NotWritableError as e:
+    logging.warning("%s: compiling without it (--compilation_cache_dir names another)", e)
+    return None
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -144,7 +144,7 @@ def main(argv):
     config = Workdir(FLAGS.workdir[0]).load_config()
     launch.keep_freed_memory()
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
-    programs = ProgramStore(cache / "programs")
+    programs = ProgramStore(cache and cache / "programs")
     slots = -1 if FLAGS.slots == "auto" else int(FLAGS.slots)
     if language:
       app_ = _completions_app(FLAGS, slots, programs)

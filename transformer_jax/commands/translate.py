@@ -192,7 +192,7 @@ def main(argv):
       FLAGS.long_beam_size = 0  # The workdir's default: n-best decodes every source alike.
     launch.keep_freed_memory()
     cache = launch.use_compilation_cache(FLAGS.workdir[0], FLAGS.compilation_cache_dir)
-    programs = ProgramStore(cache / "programs")
+    programs = ProgramStore(cache and cache / "programs")
     # What decides the programs a command runs: those the last such command ran load while
     # the checkpoint is restored.
     settings = repr(("translate", FLAGS.workdir, FLAGS.beam_size, FLAGS.max_len,
