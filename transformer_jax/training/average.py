@@ -104,9 +104,10 @@ def average_checkpoints(workdir: str | Path, last: int, output: str | Path) -> l
       break
   else:
     writer = source_dir.writer() or "the run that held its writer.lock"
+    now = ", ".join(map(str, source_dir.checkpoint_steps())) or "none"
     raise AverageError(f"{source_dir.checkpoints} is being written by {writer}, "
-                       f"which removed checkpoints as they were read, {READS} times: average "
-                       "when that run has stopped")
+                       f"which removed checkpoints as they were read, {READS} times (its "
+                       f"checkpoints now: {now}): average when that run has stopped")
   steps, total, state, data = read
   params, ema_params = jax.tree.map(lambda x: x / len(steps), total)
   averaged = state.replace(params=params, ema_params=ema_params)
