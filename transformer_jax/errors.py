@@ -60,6 +60,10 @@ def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[
     sys.exit(f"error: {describe_os_error(e)}")
   except KeyboardInterrupt:
     exit_interrupted(interrupted)
+  except Exception:
+    if _interrupted:  # The interrupt, turned into another error (a C extension's import).
+      exit_interrupted(interrupted)
+    raise
 
 
 def exit_interrupted(message: str) -> None:
@@ -83,6 +87,10 @@ def run_command(run) -> None:
     run()
   except KeyboardInterrupt:  # Before the command's body began.
     exit_interrupted("interrupted; nothing was written")
+  except Exception:
+    if _interrupted:  # Raised in a C extension's initialization: "ImportError: initialization
+      exit_interrupted("interrupted; nothing was written")  # failed" (tensorstore's).
+    raise
   finally:  # Done: a Ctrl-C now would only cut the interpreter's teardown short.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 

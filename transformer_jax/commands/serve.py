@@ -123,8 +123,8 @@ def main(argv):
     if any(b < 1 for b in beam_sizes):
       raise ServeError(f"--beam_sizes must be at least 1, got {FLAGS.beam_sizes}")
     try:  # The server's libraries: imported once the flags are known good.
-      import starlette  # noqa: F401
       import uvicorn
+      import starlette  # noqa: F401
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'transformer_jax[serve]'") from None
