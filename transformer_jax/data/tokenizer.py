@@ -84,7 +84,8 @@ class SentencePiece:
       what = "each of its characters, the 256 bytes" if lossless else "each of its characters"
       raise TokenizerError(
           f"data.vocab_size={vocab_size} is below the {needed[1]} pieces this corpus needs "
-          f"({what} and the reserved ids): raise it to at least {needed[1]}") from None
+          f"({what} and the reserved ids): raise it past {needed[1]} (SentencePiece's count; "
+          "a larger vocabulary may need a few more)") from None
     return cls(model.getvalue())
 
   def encode(self, texts):
