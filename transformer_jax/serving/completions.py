@@ -70,7 +70,7 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
-class Request_:
+class Parsed:
   """A parsed completions request."""
   prompts: list[list[int]]  # <bos> + each prompt's ids.
   texts: list[str]
@@ -255,7 +255,7 @@ class Service:
     self._pieces = [p.replace("\u2581", " ") for p in self.tokenizer.pieces()]
     self.created = int(time.time())
 
-  def parse(self, body: bytes) -> Request_:
+  def parse(self, body: bytes) -> Parsed:
     try:
       request = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -330,7 +330,7 @@ class Service:
                                 or set(options) - {"include_usage"}):
       raise Refused('stream_options must be {"include_usage": true or false}, with stream',
                      "stream_options")
-    return Request_(prompts=prompts, texts=texts, max_tokens=max_tokens, n=n,
+    return Parsed(prompts=prompts, texts=texts, max_tokens=max_tokens, n=n,
                     draw=Draw(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                     stop=tuple(stop), logprobs=logprobs, echo=_flag(request, "echo"),
                     stream=stream,
@@ -365,7 +365,7 @@ class Choice:
   """One choice's text as its tokens come: the new text each brings (held back while it may be
   the start of a stop string, or ends inside a character), cut at the first stop string."""
 
-  def __init__(self, service: Service, request: Request_, index: int):
+  def __init__(self, service: Service, request: Parsed, index: int):
     self.service, self.request, self.index = service, request, index
     self.prompt = request.prompts[index // request.n]
     self.ids: list[int] = []
@@ -464,7 +464,7 @@ def create_app(service: Service) -> Starlette:
   stops it at shutdown."""
   engine, limits = service.engine, service.limits
 
-  def start(parsed: Request_):
+  def start(parsed: Parsed):
     """(choices, sequences, events): the request's sequences queued in the engine."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     choices = [Choice(service, parsed, i) for i in range(len(parsed.prompts) * parsed.n)]
@@ -474,11 +474,11 @@ def create_app(service: Service) -> Starlette:
     engine.submit(sequences)
     return choices, sequences, events
 
-  def head(parsed: Request_, rid: str) -> dict:
+  def head(parsed: Parsed, rid: str) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": service.name}
 
-  def usage(parsed: Request_, choices) -> dict:
+  def usage(parsed: Parsed, choices) -> dict:
     prompt = sum(len(ids) - 1 for ids in parsed.prompts)
     new = sum(c.new_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
