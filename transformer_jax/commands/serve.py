@@ -25,6 +25,7 @@ import asyncio  # noqa: E402
 import logging as std_logging  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -50,18 +51,22 @@ def define_flags() -> None:
   flags.DEFINE_string("slots", "auto", "Decoding slots per beam size and source-width class: "
                       "'auto' (as many as suit this device and beam size) or a count. A "
                       "request's sentences enter free slots as they come and leave as their "
-                      "searches end (docs/serving.md).")
+                      "searches end (docs/serving.md). A language model's: its count of "
+                      "sequences decoded at once.")
   flags.DEFINE_integer("lanes", 0, "Streams of slots serving each beam size and source-width "
                        "class at once, each driven by a thread of its own; 0: as many as suit "
                        "this device (2 on a CPU, whose cores one stream's small steps leave "
                        "partly idle; 1 on an accelerator).")
-  flags.DEFINE_integer("max_queue", 1024, "Sentences waiting at most; a request that would "
-                       "overflow the queue gets 503 with Retry-After.")
+  flags.DEFINE_integer("max_queue", 1024, "Sentences (a language model's sequences) waiting "
+                       "at most; a request that would overflow the queue gets 503 with "
+                       "Retry-After.")
   flags.DEFINE_integer("max_connections", 512, "Open connections at most (uvicorn's "
                        "limit_concurrency): one more is answered 503 at once.")
   flags.DEFINE_integer("max_request_bytes", 65536, "Largest request body.")
-  flags.DEFINE_integer("max_sentences", 64, "Most sentences in one request.")
-  flags.DEFINE_integer("max_sentence_chars", 2000, "Longest sentence, in characters.")
+  flags.DEFINE_integer("max_sentences", 64, "Most sentences in one request (a language "
+                       "model's: prompts times n).")
+  flags.DEFINE_integer("max_sentence_chars", 2000, "Longest sentence (or prompt), in "
+                       "characters.")
   flags.DEFINE_float("shutdown_timeout", 30.0, "On SIGTERM or SIGINT, seconds to wait for the "
                      "open requests to finish (queued sentences are decoded and answered) "
                      "before the connections still open, such as a client stalled halfway "
@@ -183,7 +188,6 @@ def _translation_app(FLAGS, config, beam_sizes, slots, programs):
 
 def _completions_app(FLAGS, slots, programs):
   import jax
-  from pathlib import Path
   from transformer_jax.decoding import platforms
   from transformer_jax.decoding.completer import Completer
   from transformer_jax.serving import completions

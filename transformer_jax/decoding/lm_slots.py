@@ -123,18 +123,20 @@ class LanguageSlots:
   def _admit_shapes(shape, u, length):
     return (shape(u, dtype=bool), shape(u, dtype=bool), shape(u, length), shape(u), shape(u),
             shape(u, 2, dtype=np.uint32), shape(u), shape(u, dtype=np.float32), shape(u),
-            shape(u, dtype=np.float32))
+            shape(u, dtype=np.float32), shape(u, dtype=bool))
 
-  def admit(self, state, starts: dict[int, tuple[list[int], int, Draw]], drops=()):
+  def admit(self, state, starts: dict[int, tuple[list[int], int, Draw, bool]], drops=()):
     """Slot u of `starts` begins the sequence (ids: <bos> + the prompt's, the most new tokens,
-    its Draw); the slots in `drops` end theirs (free from then on)."""
+    its Draw, whether it keeps log-probabilities); the slots in `drops` end theirs (free from
+    then on)."""
     u, length = self.slots, self.max_len
     start, drop = np.zeros(u, bool), np.zeros(u, bool)
     prompts = np.zeros((u, length), np.int32)
     lengths, last, items, top_k = (np.zeros(u, np.int32) for _ in range(4))
     keys = np.zeros((u, 2), np.uint32)
     temperature, top_p = np.zeros(u, np.float32), np.ones(u, np.float32)
-    for slot, (ids, max_new, draw) in starts.items():
+    scored = np.zeros(u, bool)
+    for slot, (ids, max_new, draw, scored[slot]) in starts.items():
       start[slot] = True
       prompts[slot, :len(ids)] = ids
       lengths[slot] = len(ids)
@@ -144,7 +146,7 @@ class LanguageSlots:
       top_k[slot], top_p[slot] = draw.top_k, draw.top_p
     drop[list(drops)] = True
     return self._admit(state, start, drop, prompts, lengths, last, keys, items, temperature,
-                       top_k, top_p)
+                       top_k, top_p, scored)
 
   def run(self, state, rows: int, max_steps: int):
     """Steps the first `rows` slots (a run size) until a sequence ends, none runs, or
@@ -163,15 +165,16 @@ class LanguageSlots:
             "length": zeros(u), "last": zeros(u), "active": zeros(u, dtype=bool),
             "done": zeros(u, dtype=bool), "keys": zeros(u, 2, dtype=jnp.uint32),
             "items": zeros(u), "temperature": zeros(u, dtype=jnp.float32), "top_k": zeros(u),
-            "top_p": jnp.ones((u,), jnp.float32), "logprob": zeros(u, length, dtype=jnp.float32),
+            "top_p": jnp.ones((u,), jnp.float32), "scored": zeros(u, dtype=bool),
+            "logprob": zeros(u, length, dtype=jnp.float32),
             "top_ids": zeros(u, length, TOP), "top_lp": zeros(u, length, TOP, dtype=jnp.float32)}
 
   def _admit_fn(self, state, start, drop, prompts, lengths, last, keys, items, temperature,
-                top_k, top_p):
+                top_k, top_p, scored):
     state = dict(state)
     fresh = {"tokens": prompts, "t": jnp.zeros_like(lengths), "length": lengths, "last": last,
              "done": jnp.zeros_like(start), "keys": keys, "items": items,
-             "temperature": temperature, "top_k": top_k, "top_p": top_p}
+             "temperature": temperature, "top_k": top_k, "top_p": top_p, "scored": scored}
     for name, value in fresh.items():
       state[name] = slots_lib.where_rows(start, value, state[name])
     state["active"] = (state["active"] & ~drop) | start
@@ -217,13 +220,22 @@ class LanguageSlots:
     drawn = sample_rows(logits, keys, s["temperature"], s["top_k"], s["top_p"])
     at = jnp.minimum(p, self.max_len - 1)
     token = jnp.where(new >= 0, drawn, s["tokens"][rows, at])
-    logp = jax.nn.log_softmax(logits)
-    top_lp, top_ids = lax.top_k(logp, TOP)
+
+    def scores(_):  # Only on steps where a running row keeps them (logprobs).
+      logp = jax.nn.log_softmax(logits)
+      return (logp[rows, token], *lax.top_k(logp, TOP))  # Chosen, top values, top ids.
+
+    def unscored(_):
+      r = logits.shape[0]
+      return (jnp.zeros((r,), jnp.float32), jnp.zeros((r, TOP), jnp.float32),
+              jnp.zeros((r, TOP), jnp.int32))
+
+    chosen, top_lp, top_ids = lax.cond(jnp.any(running & s["scored"]), scores, unscored, None)
     write = lambda x, value: x.at[rows, at].set(jnp.where(
         running.reshape(-1, *[1] * (value.ndim - 1)), value, x[rows, at]))
     generating = running & (new >= 0)
     return dict(
         s, k=cache["k"], v=cache["v"], tokens=write(s["tokens"], token),
-        logprob=write(s["logprob"], logp[rows, token]), top_ids=write(s["top_ids"], top_ids),
+        logprob=write(s["logprob"], chosen), top_ids=write(s["top_ids"], top_ids),
         top_lp=write(s["top_lp"], top_lp), t=t + running,
         done=s["done"] | (generating & ((token == EOS) | (p >= s["last"]))))

@@ -30,9 +30,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from transformer_jax import errors
 from transformer_jax.data.tokenizer import BOS, EOS
 from transformer_jax.decoding.lm_slots import TOP, Draw, LanguageSlots
+from transformer_jax.serving import bodies
 from transformer_jax.serving.batcher import NotReady, QueueFull
 
 # Fields taken, and those of OpenAI's taken only at the value that means "off".
@@ -88,8 +88,10 @@ class Sequence:
   """One choice being decoded: what the engine thread tells of it goes to its request's asyncio
   queue as (index, new positions [(token, logprob, top ids, top log-probabilities)], end)."""
 
-  def __init__(self, index: int, ids: list[int], max_new: int, draw: Draw, events, loop):
+  def __init__(self, index: int, ids: list[int], max_new: int, draw: Draw, scored: bool,
+               events, loop):
     self.index, self.ids, self.max_new, self.draw = index, ids, max_new, draw
+    self.scored = scored  # Whether its positions' log-probabilities are kept (logprobs).
     self._events, self._loop = events, loop
     self.cancelled = False
 
@@ -195,7 +197,7 @@ class Engine:
         break
       self._pending.popleft()
       self._live[slot], self._told[slot] = sequence, 1  # Position 0 is <bos>.
-      starts[slot] = (sequence.ids, sequence.max_new, sequence.draw)
+      starts[slot] = (sequence.ids, sequence.max_new, sequence.draw, sequence.scored)
       self._stats.sequences += 1
     return starts, drops
 
@@ -232,9 +234,12 @@ class Engine:
       return 0, 0
     last = int(view["t"][slot])  # The last position written.
     first = self._told[slot]
-    positions = [(int(view["tokens"][slot, p]), float(view["logprob"][slot, p]),
-                  view["top_ids"][slot, p].tolist(), view["top_lp"][slot, p].tolist())
-                 for p in range(first, last + 1)]
+    tokens = view["tokens"][slot, first:last + 1].tolist()
+    if sequence.scored:
+      positions = [(token, float(view["logprob"][slot, p]), view["top_ids"][slot, p].tolist(),
+                    view["top_lp"][slot, p].tolist()) for p, token in enumerate(tokens, first)]
+    else:
+      positions = [(token, 0.0, [], []) for token in tokens]
     self._told[slot] = last + 1
     end = None
     if bool(view["done"][slot]):
@@ -256,14 +261,9 @@ class Service:
     self.created = int(time.time())
 
   def parse(self, body: bytes) -> Parsed:
-    try:
-      request = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as e:
-      raise Refused(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
-    except (ValueError, RecursionError) as e:
-      raise Refused(f"the request body is not valid JSON: {errors.first_line(e)}") from None
-    if not isinstance(request, dict):
-      raise Refused('the request must be a JSON object: {"model": ..., "prompt": ...}')
+    """The request of a body, or Refused (bodies.BadBody for the body itself) naming the
+    problem."""
+    request = bodies.json_object(body, '{"model": ..., "prompt": ...}')
     for name in request:
       if name in NEUTRAL:
         if request[name] != NEUTRAL[name]:
@@ -373,7 +373,7 @@ class Choice:
     self.sent = 0  # Characters handed out.
     self.finish: str | None = None
     self.entries: list[tuple[int, float, list, list]] = []  # For logprobs.
-    self.sent_entries = 0
+    self.sent_entries, self.offset = 0, 0  # Entries handed out, and their characters.
 
   def add(self, positions, end: str | None) -> None:
     """Takes positions told by the engine (the prompt's, then new tokens')."""
@@ -408,29 +408,28 @@ class Choice:
   def new_tokens(self) -> int:
     return len(self.ids)
 
-  def logprobs(self, offset_base: int = 0, all_entries: bool = True):
-    """OpenAI's logprobs object of the entries not handed out (all when `all_entries`), or
-    None when the request asks for none."""
+  def logprobs(self, new_only: bool = False):
+    """OpenAI's logprobs object of every entry (of those not handed out yet with `new_only`: a
+    stream's), the prompt's with echo; None where the request asks for none. text_offset counts
+    from the start of the choice's text."""
     request = self.request
     if request.logprobs is None:
       return None
-    start = 0 if all_entries else self.sent_entries
-    prompt_entries = len(self.prompt) - 1
-    entries = self.entries[start:]
+    first = self.sent_entries if new_only else 0
     if not request.echo:
-      skip = max(0, prompt_entries - start)
-      entries, start = entries[skip:], start + skip
-    self.sent_entries = len(self.entries)
+      first = max(first, len(self.prompt) - 1)
+    if not new_only:
+      self.offset = 0
+    entries, self.sent_entries = self.entries[first:], len(self.entries)
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = offset_base
     for token, logprob, top_ids, top_lp in entries:
       text = self.service.token_text(token)
       tokens.append(text)
       token_logprobs.append(logprob)
       tops.append({self.service.token_text(i): lp
                    for i, lp in zip(top_ids[:request.logprobs], top_lp)})
-      offsets.append(offset)
-      offset += len(text)
+      offsets.append(self.offset)
+      self.offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 
@@ -445,20 +444,6 @@ def _stop_prefix(text: str, stops) -> int:
   return max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])] or [0])
 
 
-async def _body(request: Request, limit: int) -> bytes:
-  declared = request.headers.get("content-length", "")
-  if declared.isdigit() and int(declared) > limit:
-    raise Refused(f"the request body has {declared} bytes; the limit is {limit} "
-                   "(--max_request_bytes)")
-  chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise Refused(f"the request body is over {limit} bytes (--max_request_bytes)")
-    chunks.append(chunk)
-  return b"".join(chunks)
-
-
 def create_app(service: Service) -> Starlette:
   """The ASGI application; its lifespan starts the engine (compiling in the background) and
   stops it at shutdown."""
@@ -469,8 +454,8 @@ def create_app(service: Service) -> Starlette:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     choices = [Choice(service, parsed, i) for i in range(len(parsed.prompts) * parsed.n)]
     sequences = [Sequence(c.index, c.prompt, parsed.max_tokens,
-                          dataclasses.replace(parsed.draw, item=c.index), events, loop)
-                 for c in choices]
+                          dataclasses.replace(parsed.draw, item=c.index),
+                          parsed.logprobs is not None, events, loop) for c in choices]
     engine.submit(sequences)
     return choices, sequences, events
 
@@ -500,7 +485,7 @@ def create_app(service: Service) -> Starlette:
   async def completions(request: Request):
     began, status, count = time.monotonic(), 500, 0
     try:
-      parsed = service.parse(await _body(request, limits.max_request_bytes))
+      parsed = service.parse(await bodies.read(request, limits.max_request_bytes))
       count = len(parsed.prompts) * parsed.n
       rid = "cmpl-" + os.urandom(12).hex()
       choices, sequences, events = start(parsed)
@@ -525,6 +510,9 @@ def create_app(service: Service) -> Starlette:
     except Refused as e:
       status = e.status
       return e.response()
+    except bodies.BadBody as e:
+      status = 400
+      return Refused(str(e)).response()
     except QueueFull as e:
       status = 503
       return Refused(f"the queue is full: {e}", status=503, kind="server_error",
@@ -560,7 +548,7 @@ def create_app(service: Service) -> Starlette:
         if over or text:
           yield event({**head(parsed, rid), "choices": [
               {"text": text, "index": choice.index,
-               "logprobs": choice.logprobs(all_entries=False),
+               "logprobs": choice.logprobs(new_only=True),
                "finish_reason": choice.finish if over else None}]})
         ended += over
       if parsed.include_usage:

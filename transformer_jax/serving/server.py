@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 
 import jax
@@ -32,8 +31,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from transformer_jax import errors
 from transformer_jax.decoding import platforms, sentences as sentences_lib, streams
+from transformer_jax.serving import bodies
 from transformer_jax.serving.batcher import Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import DecodeOptions, strip
@@ -55,7 +54,7 @@ class Settings:
   lanes: int = 0  # Streams of slots per beam size and width class; 0: the device's default.
 
 
-class BadRequest(Exception):
+class BadRequest(bodies.BadBody):
   """A request the server refuses with 400."""
 
 
@@ -91,16 +90,7 @@ class Service:
   def parse(self, body: bytes) -> tuple[list[str], DecodeOptions, int, object]:
     """(sentences, options, n_best, id) of a request body, or BadRequest naming the problem."""
     s = self.settings
-    try:
-      text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-      raise BadRequest(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
-    try:
-      request = json.loads(text)
-    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, a 5000-digit int.
-      raise BadRequest(f"the request body is not valid JSON: {errors.first_line(e)}") from None
-    if not isinstance(request, dict):
-      raise BadRequest('the request must be a JSON object: {"sentences": ["..."]}')
+    request = bodies.json_object(body, '{"sentences": ["..."]}')
     unknown = sorted(set(request) - set(FIELDS))
     if unknown:
       raise BadRequest(f"unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")
@@ -189,21 +179,6 @@ def _error(status: int, message: str, **headers) -> JSONResponse:
   return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-async def _body(request: Request, limit: int) -> bytes:
-  """The request body, refused (BadRequest) as soon as it passes `limit` bytes."""
-  declared = request.headers.get("content-length", "")
-  if declared.isdigit() and int(declared) > limit:
-    raise BadRequest(f"the request body has {declared} bytes; the limit is {limit} "
-                     "(--max_request_bytes)")
-  chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise BadRequest(f"the request body is over {limit} bytes (--max_request_bytes)")
-    chunks.append(chunk)
-  return b"".join(chunks)
-
-
 def create_app(service: Service) -> Starlette:
   """The ASGI application; its lifespan starts the batcher (compiling in the background) and,
   at shutdown, drains it."""
@@ -214,8 +189,8 @@ def create_app(service: Service) -> Starlette:
     count = 0
     response = None
     try:
-      lines, options, n_best, request_id = service.parse(await _body(request,
-                                                                      settings.max_request_bytes))
+      lines, options, n_best, request_id = service.parse(await bodies.read(request,
+                                                                           settings.max_request_bytes))
       count = len(lines)
       pieces, owners = service.pieces(lines, options, whole=bool(n_best))
       if len(pieces) > settings.max_queue:
@@ -227,7 +202,7 @@ def create_app(service: Service) -> Starlette:
       if request_id is not None:
         body["id"] = request_id
       response = JSONResponse(body)
-    except BadRequest as e:
+    except bodies.BadBody as e:  # BadRequest too.
       response = _error(400, str(e))
     except QueueFull as e:
       response = _error(503, f"the queue is full: {e}", **{"Retry-After": "1"})

@@ -1,0 +1,44 @@
+"""What both HTTP servers read of a request: its body, within a byte limit, as a JSON object.
+Each server answers a BadBody in its own error shape (400)."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+
+from transformer_jax import errors
+
+
+class BadBody(Exception):
+  """A request body over the limit, not UTF-8, not JSON, or not a JSON object."""
+
+
+async def read(request: Request, limit: int) -> bytes:
+  """The request body, refused as soon as it passes `limit` bytes."""
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > limit:
+    raise BadBody(f"the request body has {declared} bytes; the limit is {limit} "
+                  "(--max_request_bytes)")
+  chunks, size = [], 0
+  async for chunk in request.stream():
+    size += len(chunk)
+    if size > limit:
+      raise BadBody(f"the request body is over {limit} bytes (--max_request_bytes)")
+    chunks.append(chunk)
+  return b"".join(chunks)
+
+
+def json_object(body: bytes, example: str) -> dict:
+  """The body as a JSON object; `example`: what one looks like, for the message."""
+  try:
+    text = body.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise BadBody(f"the request body is not UTF-8 text (byte {e.start + 1})") from None
+  try:
+    request = json.loads(text)
+  except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, a 5000-digit int.
+    raise BadBody(f"the request body is not valid JSON: {errors.first_line(e)}") from None
+  if not isinstance(request, dict):
+    raise BadBody(f"the request must be a JSON object: {example}")
+  return request
