@@ -116,6 +116,9 @@ class DataConfig(_Section):
   concat_prob: float = 0.0
   concat_max: int = 2
   batch_size: int = 64  # Rows per global batch (each up to max_len tokens a side).
+  # A classifier's share of its training split's labelled texts (labelled.subset: a fixed
+  # random subset, the smaller inside the larger); 1.0: all of them.
+  train_fraction: float = 1.0
 
   def check(self):
     # Nothing here reads the filesystem: a trained run's config.json parses wherever the run
@@ -130,6 +133,8 @@ class DataConfig(_Section):
     self._positive("batch_size", "tokenizer_sample", "vocab_size")
     check(0 <= self.concat_prob < 1,
           f"data.concat_prob={self.concat_prob} must be in [0, 1) (0: no concatenation)")
+    check(0 < self.train_fraction <= 1,
+          f"data.train_fraction={self.train_fraction} must be in (0, 1] (1: every text)")
     check(self.concat_max >= 1, f"data.concat_max={self.concat_max} must be at least 1 (pairs)")
 
 
@@ -275,6 +280,11 @@ class StepConfig(_Section):
   # by evaluation and translate (0: none). The decay is at most (1 + step) / (10 + step).
   ema_decay: float = 0.0
   nan_at_step: int = 0  # Tests: make this step's loss NaN (0: never).
+  # A masked language model's targets (training/steps.py Masking): "pieces", BERT's (each
+  # piece chosen with probability mask_rate), or "words" (each word with a letter or digit
+  # chosen whole; spaces, newlines and punctuation never).
+  masking: str = "pieces"
+  mask_rate: float = 0.15
 
   def check(self):
     check(0 <= self.label_smoothing < 1,
@@ -282,6 +292,9 @@ class StepConfig(_Section):
     self._positive("grad_accum_steps", "loss_chunks")
     check(0 <= self.ema_decay < 1,
           f"step.ema_decay={self.ema_decay} must be in [0, 1) (0: no moving average)")
+    check(self.masking in ("pieces", "words"),
+          f"step.masking={self.masking!r} must be 'pieces' or 'words'")
+    check(0 < self.mask_rate < 1, f"step.mask_rate={self.mask_rate} must be in (0, 1)")
     check(self.nan_at_step >= 0, f"step.nan_at_step={self.nan_at_step} must be >= 0 (0: never)")
 
 

@@ -46,6 +46,11 @@ def test_d2l_tiny_has_the_chapters_settings():
     ("model.attention_mask", "lengths", "model.attention_mask='lengths' takes one sequence a "
      "row: set data.packing=False"),
     ("model.attention_mask", "dense", "model.attention_mask='dense' must be segments or lengths"),
+    ("data.train_fraction", 0.0, "data.train_fraction=0.0 must be in (0, 1]"),
+    ("data.train_fraction", 0.5, "data.train_fraction=0.5 picks labelled texts; "
+     "data.dataset='fra_eng' holds sentence pairs: leave it at 1.0"),
+    ("step.masking", "spans", "step.masking='spans' must be 'pieces' or 'words'"),
+    ("step.mask_rate", 1.0, "step.mask_rate=1.0 must be in (0, 1)"),
 ])
 def test_bad_fields_are_named(field, value, message):
   from configs import fra_eng

@@ -75,6 +75,46 @@ def test_the_masking_rule_chooses_15_percent_and_reads_80_10_10():
   np.testing.assert_array_equal(np.asarray(again["masked"]), chosen[:3])
 
 
+@pytest.mark.quick
+def test_whole_word_masking_chooses_words_whole_and_never_spaces_or_punctuation():
+  # Ids 4-9: "\n", ",", " the", " noble", "r", "s" (bit 0: a letter; bit 1: a leading space).
+  marks = bytes([0, 0, 0, 0, 0, 0, 3, 3, 1, 1])
+  masking = step_lib.Masking(mask_id=10, vocab_size=10, rate=0.5, words=marks)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(UNK + 1, 10, size=(64, 96)).astype(np.int32)
+  segments = np.ones_like(tokens)
+  segments[:, 48:] = 2  # A second packed document: a word never runs across into it.
+  batch = {"targets": jnp.asarray(tokens), "targets_segment_ids": jnp.asarray(segments)}
+  chosen = np.asarray(step_lib.with_masks(batch, jax.random.PRNGKey(2), masking)["masked"])
+  letter = np.frombuffer(marks, np.uint8)[tokens] & 1 > 0
+  assert not chosen[~letter].any()  # Newlines and commas are never predicted.
+  # A word: a piece with a letter after a space (" the", " noble"), a non-letter or a new
+  # segment, and the letter pieces without a space that follow it ("r", "s").
+  starts = letter & ((np.frombuffer(marks, np.uint8)[tokens] & 2 > 0)
+                     | ~np.pad(letter, ((0, 0), (1, 0)))[:, :-1])
+  starts[:, 48] |= letter[:, 48]
+  for row in range(64):
+    words = np.cumsum(starts[row])
+    for w in np.unique(words[letter[row]]):
+      members = chosen[row][letter[row] & (words == w)]
+      assert members.all() or not members.any()  # A word is predicted whole or not at all.
+  word_count = starts.sum()
+  assert 0.45 < sum(chosen[r][starts[r]].sum() for r in range(64)) / word_count < 0.55
+
+
+@pytest.mark.quick
+def test_word_marks_read_letters_and_leading_spaces_from_the_tokenizer():
+  from transformer_jax.data.tokenizer import SentencePiece, word_marks
+  text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 40
+  tok = SentencePiece.train([text], vocab_size=320, lossless=True)
+  marks = word_marks(tok)
+  pieces = {tok.decode([i]): marks[i] for i in range(UNK + 1, tok.vocab_size)}
+  assert pieces["\n"] == 2 and pieces[","] == 0  # A newline is whitespace, not a letter.
+  assert all(m == 3 for p, m in pieces.items() if p[:1] == " " and p[1:].isalpha())
+  assert all(m == 1 for p, m in pieces.items() if p.isalpha())
+  assert marks[:UNK + 1] == [0] * (UNK + 1)
+
+
 # train.py on the Shakespeare works: straight, and killed then resumed.
 
 NUM_STEPS = 16
@@ -265,6 +305,21 @@ def test_bad_labelled_files_are_named_before_anything_is_written(tmp_path, files
     _prepare_labelled(tmp_path, files)
   assert "\n" not in str(e.value)
   assert not list((tmp_path / "tfds").rglob("*.array_record*"))
+
+
+@pytest.mark.quick
+def test_a_share_of_the_labelled_texts_is_fixed_and_inside_any_larger_share():
+  from transformer_jax.data import labelled
+  from transformer_jax.data.documents import Documents
+  docs = Documents(np.arange(3, 1003), np.arange(1000) + 2, total=1010)
+  small, large = labelled.subset(docs, 0.05), labelled.subset(docs, 0.2)
+  assert len(small.ids) == 50 and len(large.ids) == 200
+  assert set(small.ids) <= set(large.ids) and list(small.ids) == sorted(small.ids)
+  np.testing.assert_array_equal(small.lengths, small.ids - 1)  # Each keeps its own length.
+  np.testing.assert_array_equal(labelled.subset(docs, 0.05).ids, small.ids)
+  assert labelled.subset(docs, 1.0) is docs and len(labelled.subset(docs, 1e-6).ids) == 1
+  # Spread over the split, not its first texts (the passages are stored play by play).
+  assert small.ids.min() < 250 and small.ids.max() > 750
 
 
 @pytest.fixture(scope="module")

@@ -32,17 +32,29 @@ def _fill(cache: token_cache.TokenCache, docs: Documents, labels: np.ndarray, id
   return out
 
 
+def subset(docs: Documents, fraction: float) -> Documents:
+  """The first `fraction` of `docs` (at least one) in one fixed random order, in their own
+  order: the same texts in every run, and a smaller fraction's among a larger one's."""
+  if fraction >= 1.0:
+    return docs
+  keep = max(1, round(len(docs.ids) * fraction))
+  pick = np.sort(np.random.default_rng(0).permutation(len(docs.ids))[:keep])
+  return Documents(docs.ids[pick], docs.lengths[pick], docs.total)
+
+
 class LabelledBlocks:
   """Global block g -> this host's rows of `batches_per_block` batches of labelled texts.
 
   Epoch e reads the texts in a permutation drawn from (seed, e), `rows` a batch; its last batch
   may hold fewer (the rest of its rows empty). As documents.DocumentBlocks: a block depends
   only on (seed, g), so any number of hosts or workers gives the same global batches; picklable
-  and lazy."""
+  and lazy. `fraction` < 1 reads only that share of the texts (`subset`)."""
 
   def __init__(self, cache, labels: np.ndarray, *, rows: int, row_start: int, row_stop: int,
-               max_len: int, seed: int, batches_per_block: int = 64, **_):
+               max_len: int, seed: int, batches_per_block: int = 64, fraction: float = 1.0,
+               **_):
     self.cache, self.labels, self.rows, self.max_len = cache, labels, rows, max_len
+    self.fraction = fraction
     self.row_start, self.row_stop, self.seed = row_start, row_stop, seed
     self.batches_per_block = batches_per_block
     self._docs: Documents | None = None
@@ -53,7 +65,7 @@ class LabelledBlocks:
   @property
   def documents(self) -> Documents:
     if self._docs is None:
-      self._docs = documents.select(self.cache, "the training split")
+      self._docs = subset(documents.select(self.cache, "the training split"), self.fraction)
     return self._docs
 
   @property

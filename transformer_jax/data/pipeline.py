@@ -247,14 +247,16 @@ class TrainStream:
   def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
                overlong: str, seed: int, pack: bool = True, num_workers: int = 0,
                process_index: int = 0, process_count: int = 1, concat_prob: float = 0.0,
-               concat_max: int = 1, documents: bool = False, labels: np.ndarray | None = None):
+               concat_max: int = 1, documents: bool = False, labels: np.ndarray | None = None,
+               fraction: float = 1.0):
     if batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
     local = batch_size // process_count
     rows = dict(rows=batch_size, row_start=process_index * local,
                 row_stop=(process_index + 1) * local, max_len=max_len, seed=seed, packing=pack)
-    if labels is not None:  # Labelled texts, one a row.
-      self.blocks, self.features = labelled.LabelledBlocks(cache, labels, **rows), labelled.FEATURES
+    if labels is not None:  # Labelled texts, one a row (`fraction` of them: labelled.subset).
+      self.blocks = labelled.LabelledBlocks(cache, labels, fraction=fraction, **rows)
+      self.features = labelled.FEATURES
     elif documents:
       self.blocks, self.features = DocumentBlocks(cache, **rows), packing.LM_FEATURES
     else:

@@ -120,6 +120,17 @@ class SentencePiece:
     return [count(i) for i in range(self.vocab_size)]
 
 
+def word_marks(tokenizer: Tokenizer) -> list[int]:
+  """Per id: bit 0 where the piece's text holds a letter or digit, bit 1 where it begins with
+  whitespace (what whole-word masking reads; reserved ids and bytes of non-ASCII characters
+  have neither)."""
+  marks = []
+  for i in range(tokenizer.vocab_size):
+    text = tokenizer.decode([i]) if i > UNK else ""
+    marks.append(any(c.isalnum() for c in text) | (text[:1].isspace() << 1))
+  return marks
+
+
 def d2l_preprocess(text: str) -> str:
   """d2l's word-level normalization: lowercase, a space before , . ! ? when missing."""
   text = text.replace("\u202f", " ").replace("\xa0", " ").lower()

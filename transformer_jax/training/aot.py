@@ -140,7 +140,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = step_lib.abstract_train_state(
       model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
-  masking = step_lib.masking_of(model_cfg.family, vocab, model_cfg.num_labels)
+  masking = step_lib.masking_of(model_cfg.family, vocab, model_cfg.num_labels, cfg.step)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   n = len(devices)
   report = {

@@ -30,6 +30,10 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
                      "classifier reads one text a row: set data.packing=False")
     config_lib.check(cfg.step.loss_chunks == 1, f"step.loss_chunks={cfg.step.loss_chunks} "
                      "slices a vocabulary's logits; a classifier has none: set it to 1")
+  else:
+    config_lib.check(cfg.data.train_fraction == 1.0, f"data.train_fraction="
+                     f"{cfg.data.train_fraction} picks labelled texts; data.dataset="
+                     f"{cfg.data.dataset!r} holds {kind}: leave it at 1.0")
   return cfg
 
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from transformer_jax import sharding
 from transformer_jax.config import OptimizerConfig, StepConfig
-from transformer_jax.data.tokenizer import UNK
+from transformer_jax.data.tokenizer import UNK, word_marks
 from transformer_jax.models import build
 from transformer_jax.errors import UserError
 
@@ -191,44 +191,87 @@ def loss_weights(batch: Batch) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Masking:
-  """Masked language modelling's rule (BERT's): each real token but <bos>/<eos> is chosen with
-  probability `rate`; a chosen token is read as `mask_id` (80%), a random piece (10%) or
-  itself (10%), and predicted."""
+  """Masked language modelling's rule. BERT's (`words` empty): each real token but <bos>/<eos>
+  is chosen with probability `rate`. Whole words (`words` given): each word, a run of pieces
+  with a letter or digit that starts after a space or a piece without one, is chosen with
+  probability `rate`, all its pieces together; pieces of only spaces, newlines or punctuation
+  are never chosen. A chosen token is read as `mask_id` (80%), a random piece (10%) or itself
+  (10%), and predicted."""
   mask_id: int
   vocab_size: int  # The tokenizer's pieces: random replacements are drawn from [UNK, vocab).
   rate: float = 0.15
+  # Whole words: per id, bit 0 set where the piece holds a letter or digit, bit 1 where its
+  # text begins with a space (data/tokenizer.py word_marks); b"": BERT's pieces.
+  words: bytes = b""
 
 
-def masking_of(family: str, vocab_size: int, num_labels: int = 0) -> Masking | None:
+def masking_of(family: str, vocab_size: int, num_labels: int = 0, step: StepConfig = StepConfig(),
+               tokenizer=None) -> Masking | None:
   """A family's masking rule (a masked language model's; None for the others and for a
-  classifier, `num_labels` > 0), its tokenizer having `vocab_size` pieces (the mask id is the
-  next: build.mask_id)."""
+  classifier, `num_labels` > 0) as `step.masking` and `step.mask_rate` say, its tokenizer
+  having `vocab_size` pieces (the mask id is the next: build.mask_id). Whole words read the
+  `tokenizer`'s pieces; without one (a program compiled, never run) every piece is a word."""
   if family != "encoder_only" or num_labels:
     return None
-  return Masking(mask_id=build.mask_id(vocab_size), vocab_size=vocab_size)
+  words = b""
+  if step.masking == "words":
+    marks = word_marks(tokenizer) if tokenizer is not None else [1] * vocab_size
+    words = bytes(marks)
+  return Masking(mask_id=build.mask_id(vocab_size), vocab_size=vocab_size, rate=step.mask_rate,
+                 words=words)
 
 
 MASK_STREAM = 0x6D6C6D  # Folded into the train state's key: masking's keys, apart from dropout's.
+
+
+def mask_key(rng: jax.Array, step) -> jax.Array:
+  """The key of the masks of the step that `step` counts (before its update), from the train
+  state's key `rng`: apart from dropout's, and the same for a resumed run."""
+  return jax.random.fold_in(jax.random.fold_in(rng, MASK_STREAM), step)
 
 
 def with_masks(batch: Batch, key: jax.Array, masking: Masking) -> Batch:
   """The batch with `masked_inputs` (the tokens as the model reads them) and `masked` (the
   positions it predicts), drawn for row r from fold_in(key, r): a row's masks depend on the key
   and its index only."""
-  tokens = batch["targets"]
-  eligible = (batch["targets_segment_ids"] > 0) & (tokens >= UNK)
+  tokens, segments = batch["targets"], batch["targets_segment_ids"]
+  eligible = (segments > 0) & (tokens >= UNK)
+  if masking.words:
+    marks = jnp.asarray(np.frombuffer(masking.words, np.uint8))[tokens]  # [B, T]
+    eligible = eligible & (marks & 1 > 0)
+    # A word starts at a piece with a letter after a space, a piece without one, or a new
+    # segment; its later pieces share its draw.
+    before = jnp.pad(eligible, ((0, 0), (1, 0)))[:, :-1]
+    same_segment = segments == jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
+    starts = eligible & ((marks & 2 > 0) | ~before | ~same_segment)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    word_of = jax.lax.cummax(jnp.where(starts, positions, 0), axis=1)  # [B, T]: its start.
 
-  def row(r, tokens, eligible):
+  def row(r, tokens, eligible, word_of):
     k_choose, k_how, k_random = jax.random.split(jax.random.fold_in(key, r), 3)
-    chosen = eligible & (jax.random.uniform(k_choose, tokens.shape) < masking.rate)
+    draw = jax.random.uniform(k_choose, tokens.shape)
+    if masking.words:
+      draw = draw[word_of]  # Every piece of a word takes its first piece's draw.
+    chosen = eligible & (draw < masking.rate)
     how = jax.random.uniform(k_how, tokens.shape)
     random_ids = jax.random.randint(k_random, tokens.shape, UNK, masking.vocab_size,
                                     dtype=tokens.dtype)
     read = jnp.where(how < 0.8, masking.mask_id, jnp.where(how < 0.9, random_ids, tokens))
     return jnp.where(chosen, read, tokens), chosen
 
-  masked_inputs, masked = jax.vmap(row)(jnp.arange(tokens.shape[0]), tokens, eligible)
+  if not masking.words:
+    word_of = jnp.zeros_like(tokens)  # Unread.
+  masked_inputs, masked = jax.vmap(row)(jnp.arange(tokens.shape[0]), tokens, eligible, word_of)
   return {**batch, "masked_inputs": masked_inputs, "masked": masked}
+
+
+def masked_once(batches: list, masking: Masking, seed: int) -> list:
+  """A masked language model's evaluation batches with their masks drawn once, batch i's from
+  fold_in(key(seed), i) (and this host's index): every evaluation reads the same."""
+  draw = jax.jit(with_masks, static_argnums=2)
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), jax.process_index())
+  return [jax.device_get(draw(batch, jax.random.fold_in(key, i), masking))
+          for i, batch in enumerate(batches)]
 
 
 def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss_chunks: int = 1,
@@ -346,8 +389,7 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig(),
   """
   dropout_rng = jax.random.fold_in(state.rng, state.step)
   if masking is not None:
-    key = jax.random.fold_in(jax.random.fold_in(state.rng, MASK_STREAM), state.step)
-    batch = with_masks(batch, key, masking)
+    batch = with_masks(batch, mask_key(state.rng, state.step), masking)
   # The loss is a mean over the whole batch's target tokens, whichever microbatch they are in.
   tokens = jnp.maximum(jnp.sum(loss_weights(batch)).astype(jnp.float32), 1.0)
 

@@ -77,7 +77,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
       model, step_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
       data_cfg.max_len, ema=cfg.step.ema_decay > 0)
   masking = step_lib.masking_of(cfg.model.family, data.tokenizers.tgt.vocab_size,
-                                model.cfg.num_labels)
+                                model.cfg.num_labels, cfg.step, data.tokenizers.tgt)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   if run.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
     p_train = aot.load_train_step(run.compiled_train_step, p_train, state, mesh,
@@ -88,14 +88,16 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
       overlong=data_cfg.overlong, seed=run.seed, pack=data_cfg.packing,
       num_workers=pipeline.resolve_workers(data_cfg.num_workers),
       process_index=jax.process_index(), process_count=hosts, concat_prob=data_cfg.concat_prob,
-      concat_max=data_cfg.concat_max, documents=lm, labels=data.train_labels)
+      concat_max=data_cfg.concat_max, documents=lm, labels=data.train_labels,
+      fraction=data_cfg.train_fraction)
   rows = dict(batch_size=ev.batch_size, max_len=data_cfg.max_len, pack=data_cfg.packing,
               process_index=jax.process_index(), process_count=hosts)
   if classifier:
     labelled.log_texts(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len,
                        data.train_labels, data.label_names)
     eval_data = labelled.eval_batches(data.eval, data.eval_labels, **rows)
-    majority = float(np.mean(data.eval_labels == np.argmax(np.bincount(data.train_labels))))
+    trained = data.train_labels[stream.blocks.documents.ids]  # The texts it trains on.
+    majority = float(np.mean(data.eval_labels == np.argmax(np.bincount(trained))))
   elif lm:
     documents.log_documents(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len)
     eval_data = documents.eval_batches(data.eval, **rows)
@@ -105,7 +107,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   if ev.num_batches > 0:
     eval_data = eval_data[:ev.num_batches]
   if masking:  # The same masks at every evaluation.
-    eval_data = _masked_once(eval_data, masking, run.seed)
+    eval_data = step_lib.masked_once(eval_data, masking, run.seed)
   per_char = cfg.model.family == "decoder_only" and _per_character(data, eval_data, hosts)
 
   ckpt = run_dir.checkpointer(run.checkpoint_every, run.keep_checkpoints)
@@ -203,15 +205,6 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
     ckpt.close()
     preemption.restore()
   return state
-
-
-def _masked_once(batches: list, masking: step_lib.Masking, seed: int) -> list:
-  """A masked language model's evaluation batches with their masks drawn once, batch i's from
-  fold_in(key(seed), i) (and this host's index): every evaluation reads the same."""
-  draw = jax.jit(step_lib.with_masks, static_argnums=2)
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), jax.process_index())
-  return [jax.device_get(draw(batch, jax.random.fold_in(key, i), masking))
-          for i, batch in enumerate(batches)]
 
 
 def _per_character(data: pipeline.Prepared, eval_data: list, hosts: int) -> dict[str, float]:
