@@ -175,6 +175,21 @@ def train_bert(cfg, data, eval_data, steps: int, every: int, mask_rng) -> dict:
           "masked_tokens": masked, "torch": torch.__version__}
 
 
+def constant_baseline(cfg, data, eval_data, masking, batches: int = 100) -> dict:
+  """Always guessing the piece most often masked in `batches` training batches: its accuracy
+  on the held-out masks."""
+  draw = jax.jit(step_lib.with_masks, static_argnums=2)
+  stream, counts = _stream(cfg, data), np.zeros(masking.mask_id + 1, np.int64)
+  for i in range(batches):
+    batch = jax.device_get(draw(next(stream), jax.random.PRNGKey(i), masking))
+    counts += np.bincount(batch["targets"][batch["masked"]], minlength=len(counts))
+  stream.close()
+  piece = int(np.argmax(counts))
+  right = sum(int((b["targets"][b["masked"]] == piece).sum()) for b in eval_data)
+  total = sum(int(b["masked"].sum()) for b in eval_data)
+  return {"piece": data.tokenizers.tgt.decode([piece]), "accuracy": round(right / total, 4)}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/mlm_shakespeare.py")
@@ -232,6 +247,7 @@ def main():
                f"{data.tokenizers.tgt.vocab_size}, embed_norm {m.embed_norm}",
       "batch": f"{cfg.data.batch_size} x {cfg.data.max_len}", "steps": steps,
       "eval_masked_tokens": int(sum(b["masked"].sum() for b in eval_data)),
+      "most_frequent_piece": constant_baseline(cfg, data, eval_data, masking),
       "runs": runs, "mean_accuracy": common}
   print(json.dumps(record, indent=1))
   if args.json:

@@ -192,6 +192,20 @@ def test_fill_ranks_pieces_for_each_mask(mlm_run, tmp_path):
   assert printed.stdout.splitlines()[1].startswith(f"  [MASK] 1: {first[0]!r} {first[1]:.3f}")
 
 
+@pytest.mark.quick
+def test_a_space_before_a_mask_is_the_masked_pieces_own():
+  from transformer_jax.data.tokenizer import SentencePiece
+  from transformer_jax.decoding.filler import Filler
+  text = "Now is the winter of our discontent\nMade glorious summer by this sun of York\n" * 40
+  tok = SentencePiece.train([text], vocab_size=300, lossless=True)
+  filler = object.__new__(Filler)  # Its encoding alone: the tokenizer and the mask id.
+  filler.tokenizer, filler.mask_id, filler.max_len = tok, 999, 128
+  ids = filler.encode("Now is the [MASK] of our discontent", 1)
+  assert ids == tok.encode(["Now is the"])[0] + [999] + tok.encode([" of our discontent"])[0]
+  assert tok.decode(tok.encode([" winter"])[0])[:1] == " "  # What the mask then stands for.
+  assert filler.encode("[MASK] is", 1) == [999] + tok.encode([" is"])[0]
+
+
 @pytest.mark.parametrize("args, stdin, message", [
     (["To be or not to be."], None, re.escape("error: text 1 holds no [MASK]: nothing to fill")),
     (["--input", "-"], "", re.escape("error: --input - holds no text")),
@@ -538,3 +552,69 @@ def test_a_damaged_labels_file_is_one_line(genre_run, tmp_path):
     (tmp_path / "labels.json").write_text(damaged)
     with pytest.raises(WorkdirError, match=r"labels.json is damaged .*restore it from a copy"):
       Workdir(tmp_path).model_kind()
+
+
+# The benchmarks of what pretraining buys (benchmarks/mlm_vs_transformers.py,
+# benchmarks/label_efficiency.py), on the smoke configs.
+
+def _benchmark(script, *args, **kwargs):
+  return subprocess.run([sys.executable, f"benchmarks/{script}", *map(str, args)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=900, **kwargs)
+
+
+def _data_sets(tfds_dir):
+  return ["--set", f"data.data_dir={DATA / 'shakespeare'}", "--set", f"data.tfds_dir={tfds_dir}",
+          "--set", "data.num_workers=0"]
+
+
+def test_the_bert_peer_trains_on_our_batches_and_masks_and_is_scored_on_ours(tmp_path, tfds_dir):
+  out = tmp_path / "peer.json"
+  proc = _benchmark("mlm_vs_transformers.py", "--config", "configs/mlm_shakespeare.py:smoke",
+                    *_data_sets(tfds_dir), "--steps", 4, "--every", 2, "--seeds", "1,2",
+                    "--eval_batches", 2, "--workdir", tmp_path / "w", "--json", out)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads(out.read_text())
+  for side in ("jax", "bert"):
+    assert sorted(record["runs"][side]) == ["1", "2"]
+    for run in record["runs"][side].values():
+      assert [p["step"] for p in run["curve"]] == [2, 4]
+      assert all(0 <= p["accuracy"] <= 1 and p["loss"] > 0 for p in run["curve"])
+  # The peer predicted exactly the tokens ours did (the script stops where they differ), and
+  # the two seeds masked differently.
+  masked = {seed: run["masked_tokens"] for seed, run in record["runs"]["jax"].items()}
+  assert masked == {seed: run["masked_tokens"] for seed, run in record["runs"]["bert"].items()}
+  assert masked["1"] != masked["2"]
+  assert 0 <= record["most_frequent_piece"]["accuracy"] < 1
+  # Pre-LN is not BERT's shape: refused in one line.
+  proc = _benchmark("mlm_vs_transformers.py", "--config", "configs/mlm_shakespeare.py:smoke",
+                    "--set", "model.pre_ln=True")
+  assert proc.returncode == 1 and proc.stderr.strip().startswith("error: the peer is BERT")
+
+
+def test_the_label_efficiency_table_fine_tunes_each_share_from_both_starts(mlm_run, tmp_path,
+                                                                          tfds_dir, cache_dir):
+  args = ["--config", "configs/genre_shakespeare.py:smoke", "--pretrained", mlm_run,
+          *_data_sets(tfds_dir), "--set", "model.embed_norm=True",
+          "--set", f"run.compilation_cache_dir={cache_dir}", "--fractions", "0.05,1",
+          "--seeds", "1", "--steps", 4, "--out", tmp_path / "points", "--json",
+          tmp_path / "table.json"]
+  proc = _benchmark("label_efficiency.py", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads((tmp_path / "table.json").read_text())
+  points = {(p["fraction"], p["start"]): p for p in record["points"]}
+  assert sorted(points) == [(0.05, "pretrained"), (0.05, "random"), (1.0, "pretrained"),
+                            (1.0, "random")]
+  for (fraction, start), point in points.items():
+    workdir = tmp_path / "points" / f"{start}_f{fraction:g}_s1"
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["data"]["train_fraction"] == fraction and config["run"]["num_steps"] == 4
+    assert (config["run"]["init_from"] == str(mlm_run)) == (start == "pretrained")
+    same_tokenizer = (workdir / "tokenizer.model").read_bytes() == (
+        mlm_run / "tokenizer.model").read_bytes()
+    assert same_tokenizer == (start == "pretrained")
+    assert 0 <= point["validation"] <= 1 and 0 <= point["test"] <= 1
+  assert [(r["fraction"], r["start"]) for r in record["table"]] == sorted(points)
+  # Run again: every point is read from its finished workdir, none trained again.
+  again = _benchmark("label_efficiency.py", *args)
+  assert again.returncode == 0 and "+ " not in again.stdout
+  assert json.loads((tmp_path / "table.json").read_text())["table"] == record["table"]
