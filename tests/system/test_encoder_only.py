@@ -562,15 +562,17 @@ def _benchmark(script, *args, **kwargs):
                         capture_output=True, text=True, timeout=900, **kwargs)
 
 
-def _data_sets(tfds_dir):
+def _data_sets(tfds_dir, workers="0"):
+  """--set flags: the works, the tests' tfds directory, no grain workers (the peer's script reads
+  a Python literal, train.py a flag's text)."""
   return ["--set", f"data.data_dir={DATA / 'shakespeare'}", "--set", f"data.tfds_dir={tfds_dir}",
-          "--set", "data.num_workers=0"]
+          "--set", f"data.num_workers={workers}"]
 
 
 def test_the_bert_peer_trains_on_our_batches_and_masks_and_is_scored_on_ours(tmp_path, tfds_dir):
   out = tmp_path / "peer.json"
   proc = _benchmark("mlm_vs_transformers.py", "--config", "configs/mlm_shakespeare.py:smoke",
-                    *_data_sets(tfds_dir), "--steps", 4, "--every", 2, "--seeds", "1,2",
+                    *_data_sets(tfds_dir, "'0'"), "--steps", 4, "--every", 2, "--seeds", "1,2",
                     "--eval_batches", 2, "--workdir", tmp_path / "w", "--json", out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads(out.read_text())

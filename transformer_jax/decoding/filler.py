@@ -29,8 +29,8 @@ class Filler:
     self.mask_id = build.mask_id(self.tokenizer.vocab_size)
 
   def encode(self, text: str, number: int) -> list[int]:
-    """The ids of a text, the mask id at each `[MASK]` (a space just before one is the masked
-    piece's own); an error naming text `number` where it holds no mask or is longer than the
+    """The ids of a text, the mask id at each `[MASK]` (the spaces just before one are the
+    masked piece's); an error naming text `number` where it holds no mask or is longer than the
     model reads."""
     parts = text.split(MASK)
     if len(parts) == 1:
@@ -39,10 +39,11 @@ class Filler:
     for i, part in enumerate(parts):
       if i:
         ids.append(self.mask_id)
-      if i < len(parts) - 1 and part.endswith(" "):
+      if i < len(parts) - 1:
         # The tokenizer spells a word with the space before it (" winter"): the mask stands
-        # for that piece, rather than leaving a lone space piece in front of it.
-        part = part[:-1]
+        # for that piece, rather than leaving a lone space piece in front of it (as an
+        # exported tokenizer's [MASK], lstrip).
+        part = part.rstrip(" ")
       ids.extend(self.tokenizer.encode([part])[0] if part else [])
     if len(ids) > self.max_len:
       raise InferenceError(f"text {number} has {len(ids)} tokens: the model reads at most "

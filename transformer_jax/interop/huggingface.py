@@ -424,7 +424,9 @@ def tokenizer_json(sp: SentencePiece, mask: bool = False, prepend_bos: bool = Fa
   specials = [AddedToken(pieces[i], special=True, normalized=False) for i in (PAD, BOS, EOS)]
   tok.add_special_tokens(specials)
   if mask:
-    tok.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
+    # lstrip: the spaces before [MASK] are the masked piece's, as `fill` reads them.
+    tok.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False,
+                                       lstrip=True)])
     assert tok.token_to_id(MASK_TOKEN) == build.mask_id(sp.vocab_size)
   bos, eos = pieces[BOS], pieces[EOS]
   if prepend_bos:
