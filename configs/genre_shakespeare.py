@@ -12,7 +12,8 @@ of 10 non-blank lines, each labelled by its play's genre; one play of each genre
 validation and one for test, so the classifier is scored on plays it never read a line of. The
 model is the pretrained encoder with BERT's classification head on the first (<bos>) position.
 Without run.init_from it starts from random parameters (the baseline the pretraining is
-measured against).
+measured against); `--config.data.train_fraction=0.05` trains on a fixed random 5% of the
+passages (benchmarks/label_efficiency.py makes the table of both starts on such shares).
 `configs/genre_shakespeare.py:smoke` runs a few steps of a tiny model in seconds (from
 configs/mlm_shakespeare.py:smoke's run, or from random parameters).
 """
