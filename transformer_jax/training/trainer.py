@@ -95,6 +95,9 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   if classifier:
     labelled.log_texts(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len,
                        data.train_labels, data.label_names)
+    if data_cfg.train_fraction < 1:
+      logging.info("data.train_fraction=%g: training on those %d texts only (labelled.subset)",
+                   data_cfg.train_fraction, len(stream.blocks.documents.ids))
     eval_data = labelled.eval_batches(data.eval, data.eval_labels, **rows)
     trained = data.train_labels[stream.blocks.documents.ids]  # The texts it trains on.
     majority = float(np.mean(data.eval_labels == np.argmax(np.bincount(trained))))
