@@ -148,8 +148,10 @@ def test_a_masked_language_model_trains_and_reports_masked_token_accuracy(mlm_ru
   assert "eval/bits_per_char" not in evals[-1]  # A next-token figure: not this family's.
   train = [r for r in records if "train/loss" in r]
   assert [r["step"] for r in train] == list(range(1, NUM_STEPS + 1))
-  # About 15% of the real tokens are predicted.
-  assert all(0.10 < r["train/masked_tokens"] / r["train/tokens"] < 0.20 for r in train)
+  # About 15% of the real tokens are predicted (whole words at 0.2: a step of 512 tokens
+  # varies by several points, the 16 steps' mean much less).
+  shares = [r["train/masked_tokens"] / r["train/tokens"] for r in train]
+  assert all(0.03 < x < 0.3 for x in shares) and 0.12 < np.mean(shares) < 0.19
   saved = json.loads((mlm_run / "config.json").read_text())["model"]
   assert (saved["family"], saved["activation"]) == ("encoder_only", "gelu")
 
