@@ -40,12 +40,23 @@ def last_eval(workdir: Path) -> dict:
   return [x for x in lines if "eval/accuracy" in x][-1]
 
 
-def test_accuracy(workdir: Path, split: str) -> float:
+def test_accuracy(workdir: Path, split: str) -> tuple[float, float]:
+  """(the classifier's accuracy on `split`, always guessing the most frequent label of the texts
+  it trained on)."""
+  import numpy as np
+  from transformer_jax.data import documents, labelled, pipeline
   from transformer_jax.decoding.classifier import Classifier
   from transformer_jax.decoding.translator import split_pairs
+  from transformer_jax.workdir import Workdir
   texts, truth = split_pairs(str(workdir), split)
   guessed = Classifier(workdir).classify(texts)
-  return sum(g == t for g, t in zip(guessed, truth)) / len(truth)
+  data_cfg = Workdir(workdir).load_config().data
+  data = pipeline.prepare_labelled(data_cfg, workdir)
+  trained = labelled.subset(documents.select(data.train, "the training split"),
+                            data_cfg.train_fraction).ids
+  majority = data.label_names[int(np.argmax(np.bincount(data.train_labels[trained])))]
+  return (sum(g == t for g, t in zip(guessed, truth)) / len(truth),
+          sum(t == majority for t in truth) / len(truth))
 
 
 def run_point(args, fraction: float, start: str, seed: int) -> dict:
@@ -60,12 +71,16 @@ def run_point(args, fraction: float, start: str, seed: int) -> dict:
     command = [sys.executable, str(ROOT / "train.py"), "--config", args.config,
                "--workdir", str(workdir), *(f"--config.{s}" for s in sets)]
     print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+      last = (proc.stderr.strip().splitlines() or ["(nothing on standard error)"])[-1]
+      sys.exit(f"error: the point {workdir.name} stopped (exit {proc.returncode}): {last}")
   final = last_eval(workdir)
+  test, test_majority = test_accuracy(workdir, args.test_split)
   point = {"fraction": fraction, "start": start, "seed": seed, "steps": final["step"],
            "validation": round(final["eval/accuracy"], 4),
-           "majority": round(final["eval/majority_accuracy"], 4),
-           "test": round(test_accuracy(workdir, args.test_split), 4),
+           "majority": round(final["eval/majority_accuracy"], 4), "test": round(test, 4),
+           "test_majority": round(test_majority, 4),
            "seconds": round(time.perf_counter() - began, 1)}
   print(json.dumps(point), flush=True)
   return point
@@ -80,7 +95,7 @@ def table(points: list[dict]) -> list[dict]:
       if not mine:
         continue
       row = {"fraction": fraction, "start": start, "seeds": len(mine),
-             "majority": mine[0]["majority"]}
+             "majority": mine[0]["majority"], "test_majority": mine[0]["test_majority"]}
       for split in ("validation", "test"):
         values = [p[split] for p in mine]
         row[split] = round(statistics.mean(values), 4)

