@@ -469,12 +469,28 @@ def _unflattened(saved: dict[str, Any]) -> dict[str, Any]:
   return nested
 
 
-def names_this_projects_fields(saved: Mapping[str, Any]) -> bool:
-  """Whether a saved JSON object is a config of this project (sectioned, or flat from before
-  sections): it names at least one of its sections or fields. Another program's config.json (a
-  CTranslate2 model's, say) names none."""
+# Keys by which another program's config.json names itself (transformers' and the Hub's).
+_OTHER_PROGRAMS_KEYS = ("model_type", "architectures", "transformers_version", "_name_or_path")
+
+
+def why_not_a_runs_config(saved: Mapping[str, Any]) -> str | None:
+  """None where a saved JSON object is a config of this project: in sections (what train.py
+  writes), or flat from before sections with most of its keys this project's fields; else why
+  not, in a few words. Another program's config.json may share a field name (`vocab_size`):
+  that alone does not make it a run's."""
+  if marks := [k for k in _OTHER_PROGRAMS_KEYS if k in saved]:
+    kind = saved.get("model_type")
+    return ("it is a Hugging Face model's config" + (f", model_type {kind!r}" if
+            isinstance(kind, str) else f", with {marks[0]!r}"))
   homes = _flat_homes()
-  return any(k in SECTIONS or k in homes for k in saved)
+  ours = [k for k in saved if k in SECTIONS or k in homes]
+  if not ours:
+    return "it names none of the config's sections or fields"
+  if 2 * len(ours) < len(saved):
+    others = sorted(k for k in saved if k not in ours)
+    return (f"{len(others)} of its {len(saved)} keys are no field of this config, such as "
+            f"{others[0]!r}")
+  return None
 
 
 # Fields added after runs were saved, and the value a saved config without them was trained

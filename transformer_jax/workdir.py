@@ -174,10 +174,9 @@ class Workdir:
     if not isinstance(saved, dict):
       raise WorkdirError(f"{self.config_file} is damaged (not a JSON object); restore it from a "
                          "copy")
-    if not config_lib.names_this_projects_fields(saved):
-      raise WorkdirError(f"{self.config_file} is not a training run's config (it names none of "
-                         f"the config's sections or fields): {self.path} is not a training "
-                         "workdir")
+    if why := config_lib.why_not_a_runs_config(saved):
+      raise WorkdirError(f"{self.config_file} is not a training run's config ({why}): "
+                         f"{self.path} is not a training workdir")
     try:
       return config_lib.parse(saved, saved=True)
     except (config_lib.ConfigError, TypeError) as e:

@@ -64,6 +64,25 @@ def test_train_refuses_a_directory_that_is_not_a_run(trained, tmp_path, files, m
   assert _tree_digest(foreign) == before
 
 
+@pytest.mark.parametrize("kind", ["GPT2Config", "BertConfig", "MarianConfig"])
+def test_train_refuses_a_hugging_face_model_folder(trained, tmp_path, kind):
+  """Its config.json shares field names with ours (vocab_size): train.py once trained into it
+  and replaced that file, which `from_pretrained` then could not read."""
+  import transformers
+  config, _ = trained
+  folder = tmp_path / "hf"
+  getattr(transformers, kind)(vocab_size=1000).save_pretrained(folder)
+  (folder / "model.safetensors").write_bytes(b"weights")
+  before = _tree_digest(folder)
+  result = _run(*_train_args(config, folder))
+  model_type = json.loads((folder / "config.json").read_text())["model_type"]
+  assert _one_error_line(result) == (
+      f"error: {folder / 'config.json'} is not a training run's config (it is a Hugging Face "
+      f"model's config, model_type {model_type!r}): {folder} is not a training workdir")
+  assert _tree_digest(folder) == before
+  assert getattr(transformers, kind).from_pretrained(folder).vocab_size == 1000
+
+
 @pytest.mark.parametrize("inside", ["config.json", "tokenizer.model", "checkpoints/out.txt",
                                     "new.txt"])
 def test_translate_output_inside_the_workdir_is_refused(run_copy, inside):
