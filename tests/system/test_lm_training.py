@@ -219,6 +219,38 @@ def test_greedy_continuations_equal_the_full_forward_passs_argmax():
       tokens.append(nxt)
 
 
+@pytest.mark.parametrize("max_len, max_new", [(24, 8), (160, 70)])
+def test_sampled_continuations_equal_draws_from_the_full_forward_pass(max_len, max_new):
+  """Each new token i of prompt n is drawn with the key row_keys(rng, n, i) from the model's
+  distribution given all before it: drawn here from the full pass over the sequence so far.
+  (Sampling at temperature 2 notices any change of the logits, as greedy choices on a random
+  model may not.) With 160 positions the cache grows from 64 to 128 positions on the way."""
+  from transformer_jax.decoding.generation import (NEVER_CONTINUED, cache_widths,
+                                                   continue_prompts)
+  model, params = _lm(max_len)
+  sampler = search.Sampling(temperature=2.0)
+  prompts = [[BOS] + list(range(3, 3 + n)) for n in (0, 2, 5, 9, 4, 1)]
+  width, rng = 16, jax.random.PRNGKey(4)
+  assert len(cache_widths(width, max_new, max_len)) == (1 if max_len == 24 else 2)
+  ids = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  got = np.asarray(jax.jit(continue_prompts, static_argnums=(0, 4, 5, 6))(
+      model, params, ids, lengths, max_len, max_new, sampler, rng))
+  forward = jax.jit(lambda x: model.apply({"params": params}, x))
+  for n, (row, prompt) in enumerate(zip(got, prompts)):
+    tokens = list(prompt)
+    for i in range(max_new):  # The logits at the last position of the sequence so far.
+      padded = jnp.array([tokens + [0] * (max_len - len(tokens))], jnp.int32)
+      logits = forward(padded)[0, len(tokens) - 1:len(tokens)]
+      logits = logits.at[:, NEVER_CONTINUED].set(search.NEG_INF)
+      nxt = int(sampler(logits, search.row_keys(rng, jnp.array([n]), i))[0])
+      assert row[i] == nxt, (prompt, i)
+      if nxt == EOS:
+        assert np.all(row[i + 1:] == 0)
+        break
+      tokens.append(nxt)
+
+
 def test_a_sampled_continuation_is_the_same_in_any_batch():
   from transformer_jax.decoding.generation import continue_prompts
   model, params = _lm()
@@ -250,7 +282,8 @@ def test_a_continuation_never_holds_pad_bos_or_unk():
 
     def apply(self, variables, *args, method):
       out = model.apply(variables, *args, method=method)
-      return (favour(out[0]), out[1]) if method == LanguageModel.decode_step else out
+      reads = method in (LanguageModel.decode_step, LanguageModel.extend)
+      return (favour(out[0]), out[1]) if reads else out
 
   prompts = np.tile(np.array([[BOS, 5, 9]], np.int32), (64, 1))
   lengths = np.full(64, 3, np.int32)

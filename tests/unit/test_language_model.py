@@ -125,6 +125,86 @@ def test_rows_at_their_own_positions_decode_as_alone():
     np.testing.assert_allclose(logits[1], full[1, t], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fields", VARIANTS)
+def test_a_prompt_read_in_chunks_equals_the_full_forward_pass(fields):
+  """`extend`: every row from position 0 in one pass, then chunks at each row's own position
+  (one running past the cache's end, where nothing is written), then a decoding step."""
+  lm = _model(**fields)
+  variables = _init(lm, seed=7)
+  tokens = _tokens((2, MAX_LEN), 8)
+  apply = _jit(lm)
+  full = apply(variables, tokens)
+  cache = lm.apply(variables, 2, MAX_LEN, method="init_cache")
+  logits, cache = apply(variables, tokens[:, :5], cache, method="extend")  # [2, 5, V]
+  np.testing.assert_allclose(logits, full[:, :5], atol=1e-5, rtol=1e-5)
+  cache["index"] = jnp.array([5, 3], jnp.int32)  # Row 1 goes back: it overwrites 3 and 4.
+  feed = jnp.stack([tokens[0, 5:11], tokens[1, 3:9]])
+  logits, cache = apply(variables, feed, cache, method="extend")
+  np.testing.assert_allclose(logits[0], full[0, 5:11], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(logits[1], full[1, 3:9], atol=1e-5, rtol=1e-5)
+  # Row 0 reads 11 .. 23 and, past the cache's end, 2 more positions; row 1 reads 9 .. 23.
+  cache["index"] = jnp.array([11, 9], jnp.int32)
+  feed = jnp.stack([jnp.concatenate([tokens[0, 11:24], tokens[0, :2]]), tokens[1, 9:24]])
+  logits, last_cache = apply(variables, feed, cache, method="extend", last=jnp.array([12, 14]))
+  np.testing.assert_allclose(logits[0], full[0, 23], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(logits[1], full[1, 23], atol=1e-5, rtol=1e-5)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(last_cache))
+
+
+def test_decoding_slots_read_prompts_in_chunks_as_generate_reads_them():
+  """LanguageSlots with 4- and 8-position chunks: prompts of 1 to 17 tokens, started together
+  and one while others decode, greedy and sampled, continue as `continue_prompts` continues
+  them; the prompts' kept log-probabilities equal the full forward pass's."""
+  from transformer_jax.decoding import search
+  from transformer_jax.decoding.generation import NEVER_CONTINUED, continue_prompts
+  from transformer_jax.decoding.lm_slots import Draw, LanguageSlots
+  lm = _model(pre_ln=True, positions="learned")
+  params = _init(lm, seed=9)["params"]
+  slots = LanguageSlots(lm, params, slots=4, max_len=MAX_LEN, vocab=VOCAB, prompt_chunks=(4, 8))
+  assert slots.chunks == (4, 8)
+  prompts = [[1] + _tokens((n,), 20 + n).tolist() for n in (0, 3, 11, 16)]
+  max_new = 6
+  draws = [Draw(), Draw(temperature=2.0, seed=2, item=1), Draw(), Draw(temperature=2.0, seed=4,
+                                                                     item=3)]
+  want = []
+  for prompt, draw in zip(prompts, draws):
+    sampler = (search.Greedy() if not draw.temperature
+               else search.Sampling(temperature=draw.temperature))
+    row = continue_prompts(lm, params, jnp.array([prompt]), jnp.array([len(prompt)]), MAX_LEN,
+                           max_new, sampler, jax.random.PRNGKey(draw.seed),
+                           jnp.array([draw.item]), VOCAB)
+    want.append([t for t in np.asarray(row)[0].tolist() if t])
+
+  def finish(state, live):
+    got = {}
+    while live:
+      state, view = slots.run(state, 4, 5)
+      for slot in list(live):
+        if view["done"][slot]:
+          got[slot] = (view["tokens"][slot].copy(), view["logprob"][slot].copy())
+          live.remove(slot)
+    return state, got
+
+  state = slots.empty()
+  # Three start together; the 16-token prompt joins once the others are decoding.
+  state = slots.admit(state, {u: (prompts[u], max_new, draws[u], True) for u in range(3)})
+  state, view = slots.run(state, 4, 1)
+  # One step: the lowest slot with more than a last token to read (1: <bos> and 3 tokens)
+  # read 3 positions in a chunk, then its last; the others one position each.
+  assert view["t"][:3].tolist() == [1, 4, 1]
+  state = slots.admit(state, {3: (prompts[3], max_new, draws[3], True)})
+  state, got = finish(state, {0, 1, 2, 3})
+  forward = _jit(lm)
+  for u, prompt in enumerate(prompts):
+    tokens, logprob = got[u]
+    n = len(prompt)
+    assert tokens[:n].tolist() == prompt
+    assert [t for t in tokens[n:n + max_new].tolist() if t] == want[u], u
+    logits = forward({"params": params}, jnp.array([prompt]))[0, :-1, :VOCAB]
+    logp = jax.nn.log_softmax(logits.at[:, NEVER_CONTINUED].set(search.NEG_INF))
+    np.testing.assert_allclose(logprob[1:n], logp[np.arange(n - 1), prompt[1:]], atol=1e-4)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(family="decoder_only"), "model.num_encoder_layers=6 is a translation field"),
     (dict(positions="learned"), "model.positions='learned' is for language models"),

@@ -3,10 +3,13 @@ over one preallocated cache, each with its own prompt, position, output limit an
 settings, which a host loop starts and stops between runs of decoder steps (serving's
 completions engine).
 
-A slot reads its prompt one position a step, as `generation.continue_prompts` does, then feeds
-back what it draws; the step that reads the prompt's last token draws the first new one. Every
-row steps at its own position (the cache's index is per row), so a sequence joins while others
-are halfway and leaves when it ends, its slot free for the next. A sequence's i-th new token
+A slot reads its prompt in chunks, then feeds back what it draws; the step that reads the
+prompt's last token draws the first new one. Each step, beside every running row's decoding
+position, the lowest slot with more of its prompt to read reads a chunk of it in one pass (the
+narrowest of the platform's `prompt_chunks` widths that holds the rest, else the widest), so a
+long prompt is read in a few steps and never stalls the running sequences for longer than one
+chunk. Every row steps at its own position (the cache's index is per row), so a sequence joins
+while others are halfway and leaves when it ends, its slot free for the next. A sequence's i-th new token
 draws with the key fold_in(fold_in(PRNGKey(seed), item), i), the key `generate` gives prompt
 number `item` of its input: the same seed draws the same text in any slot, beside any others,
 and greedy rows (temperature 0) choose what `generate` chooses.
@@ -87,12 +90,15 @@ class LanguageSlots:
   whose tokenizer has `vocab` ids."""
 
   def __init__(self, model: LanguageModel, params, slots: int, max_len: int, vocab: int,
-               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None):
+               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
+               prompt_chunks: tuple[int, ...] = ()):
     self.model, self.params, self.slots, self.max_len, self.vocab = (
         model, params, slots, max_len, vocab)
     fraction = min_rows_fraction or platforms.settings(jax.default_backend()).min_rows_fraction
     self.run_sizes = slots_lib.run_sizes(slots, fraction)
-    describe = repr((model.cfg, slots, max_len, vocab))
+    chunks = prompt_chunks or platforms.settings(jax.default_backend()).prompt_chunks
+    self.chunks = tuple(sorted({max(1, min(c, max_len - 2)) for c in chunks}))
+    describe = repr((model.cfg, slots, max_len, vocab, self.chunks))
     jit = functools.partial(programs.jit, describe=describe)
     self._admit = jit("lm_slots_admit", fn=self._admit_fn, donate_argnums=0)
     self._runs = {rows: jit(f"lm_slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),
@@ -202,9 +208,56 @@ class LanguageSlots:
     put = lambda whole, new: lax.dynamic_update_slice_in_dim(whole, new, 0, axis=0)
     return jax.tree.map(put, state, part), self._view(part)
 
+  def _read_chunk(self, params, s, reading):
+    """The lowest slot of `reading` [R] reads the next chunk of its prompt in one pass, up to
+    (not including) its last token: what it writes and t move past the chunk, as the chunk's
+    steps one position at a time would have left them. The width is the narrowest of
+    `self.chunks` that holds the rest, else the widest (a step of every width in one
+    program)."""
+    r = jnp.argmax(reading)
+    left = s["length"][r] - 1 - s["t"][r]  # Positions before the last prompt token.
+    widths = jnp.array(self.chunks)
+    branch = jnp.minimum(jnp.searchsorted(widths, left), len(self.chunks) - 1)
+    reads = [functools.partial(self._chunk, width=w) for w in self.chunks]
+    return lax.switch(branch, reads, params, s, r)
+
+  def _chunk(self, params, s, r, width: int):
+    """Slot r reads `width` positions from its t on, of which the first n = min(width, left)
+    are its prompt's (the others compute what no one reads)."""
+    t, length = s["t"][r], s["length"][r]
+    n = jnp.minimum(width, length - 1 - t)
+    at = jnp.minimum(t + jnp.arange(width + 1), self.max_len - 1)  # Read, and the next.
+    tokens = s["tokens"][r][at]  # [width + 1]
+    row = lambda x: lax.dynamic_slice_in_dim(x, r, 1, axis=0)
+    y, cache = self.model.apply(
+        {"params": params}, tokens[None, :width],
+        {"index": t[None], "k": jax.tree.map(row, s["k"]), "v": jax.tree.map(row, s["v"])},
+        method=LanguageModel.cached_features)  # y [1, width, D]
+    put = lambda whole, part: lax.dynamic_update_slice_in_dim(whole, part, r, axis=0)
+    s = dict(s, k=jax.tree.map(put, s["k"], cache["k"]),
+             v=jax.tree.map(put, s["v"], cache["v"]), t=s["t"].at[r].add(n))
+
+    def scores(s):  # The prompt's next tokens' log-probabilities, as the steps keep them.
+      logits = self.model.apply({"params": params}, y, method=LanguageModel.project)[0]
+      logp = jax.nn.log_softmax(logits[:, :self.vocab].at[:, NEVER_CONTINUED].set(
+          search.NEG_INF))  # [width, V]
+      chosen = jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
+      top_lp, top_ids = lax.top_k(logp, TOP)
+      # Positions t + 1 .. t + n; the chunk's others are dropped.
+      written = jnp.where(jnp.arange(width) < n, t + 1 + jnp.arange(width), self.max_len)
+      write = lambda x, value: x.at[r, written].set(value, mode="drop")
+      return dict(s, logprob=write(s["logprob"], chosen), top_ids=write(s["top_ids"], top_ids),
+                  top_lp=write(s["top_lp"], top_lp))
+
+    return lax.cond(s["scored"][r], scores, lambda s: s, s)
+
   def _step(self, params, s):
     """One position of every running row: it reads its token at t and writes the one at t + 1
-    (its prompt's, or the one it draws once the prompt is read)."""
+    (its prompt's, or the one it draws once the prompt is read). Before it, one row with more
+    of its prompt to read than the last token reads the next chunk of it (`_read_chunk`)."""
+    reading = s["active"] & ~s["done"] & (s["t"] < s["length"] - 1)
+    s = lax.cond(jnp.any(reading), lambda s: self._read_chunk(params, s, reading), lambda s: s,
+                 s)
     rows = jnp.arange(s["t"].shape[0])
     running = s["active"] & ~s["done"]
     t, length = s["t"], s["length"]

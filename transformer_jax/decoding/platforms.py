@@ -36,6 +36,12 @@ class Platform:
   # parent at once (on a GPU each pass of the loop is kernels of its own: on one H100 a beam-4
   # step of 1,024 rows took 10.1 ms with the loop, 1.2 ms with the gather).
   row_copy: str
+  # The widths a language model's decoding slots read a prompt in: one chunk a step, beside
+  # the running sequences' decode steps, the narrowest that holds what is left of the prompt
+  # (all compiled into one program). The widest bounds how long a step stalls the running
+  # streams while a long prompt is read; an accelerator reads a wide chunk in about the time
+  # of one position.
+  prompt_chunks: tuple[int, ...]
 
   def slots(self, beam_size: int) -> int:
     """The slots for searches of `beam_size` beams where the user names no count."""
@@ -43,9 +49,9 @@ class Platform:
 
 
 CPU = Platform(rows=128, lanes=2, min_rows_fraction=16, encode_tokens=1024,
-               width_classes=(16, 32), row_copy="loop")
+               width_classes=(16, 32), row_copy="loop", prompt_chunks=(16, 64, 256))
 ACCELERATOR = Platform(rows=1024, lanes=1, min_rows_fraction=1, encode_tokens=0,
-                       width_classes=(), row_copy="gather")
+                       width_classes=(), row_copy="gather", prompt_chunks=(64, 512))
 TABLE = {"cpu": CPU, "gpu": ACCELERATOR, "tpu": ACCELERATOR}
 # A platform jax names otherwise: the CPU's settings, one lane.
 OTHER = dataclasses.replace(CPU, lanes=1)

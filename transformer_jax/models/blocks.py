@@ -110,36 +110,47 @@ class DecoderBlock(nn.Module):
                                                                               "value"))
 
   def step(self, y, cache, cross, index, cross_mask):
-    """One decoding position: y [B*K, 1, D] (K rows per source: beams) -> ([B*K, 1, D], cache
-    with this position's k, v).
+    """C decoding positions from `index` on: y [B*K, C, D] (K rows per source: beams; C = 1
+    while decoding, more where a language model reads a prompt) -> ([B*K, C, D], cache with
+    these positions' k, v).
 
     cache: {"k", "v": [B*K, N, L, H]} this block's self-attention keys/values of the positions
-    so far; cross: {"k", "v": [B, N, S, H]} its cross-attention keys/values, one per source (the
-    K rows of a source attend to them as K query positions: nothing is tiled or reordered);
-    cross_mask: [B, 1, 1, S] (cross and cross_mask None without cross-attention). Keys and
-    values lie head-major, as the attention contracts them (`attend_heads`).
+    so far; index: the first position, scalar (every row's; index + C <= L) or [B*K] (each
+    row's own: decoding slots; positions past L are not written, and what they compute is
+    no output); cross: {"k", "v": [B, N, S, H]} its cross-attention keys/values, one per source
+    (the K rows of a source attend to them as K query positions: nothing is tiled or
+    reordered); cross_mask: [B, 1, 1, S] (cross and cross_mask None without cross-attention).
+    Keys and values lie head-major, as the attention contracts them (`attend_heads`).
     """
     new = dict(cache)
+    width = y.shape[1]
 
-    def self_attend(z):  # z: [B*K, 1, D]
-      q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B*K, 1, N, H] each
+    def self_attend(z):  # z: [B*K, C, D]
+      q, k, v = self.self_attention.project(z, "query", "key", "value")  # [B*K, C, N, H] each
       positions = jnp.arange(cache["k"].shape[2])
-      for name, kv in (("k", k), ("v", v)):  # Write this position into the preallocated cache.
-        kv = jnp.swapaxes(kv, 1, 2).astype(cache[name].dtype)  # [B*K, N, 1, H]
-        if index.ndim == 0:  # One position for every row.
-          new[name] = lax.dynamic_update_slice(cache[name], kv, (0, 0, index, 0))
-        else:  # Each row its own (decoding slots): [B*K] positions.
+      for name, kv in (("k", k), ("v", v)):  # Write these positions into the preallocated cache.
+        kv = kv.astype(cache[name].dtype)
+        if index.ndim == 0:  # The same positions for every row.
+          new[name] = lax.dynamic_update_slice(cache[name], jnp.swapaxes(kv, 1, 2),
+                                               (0, 0, index, 0))
+        elif width == 1:  # Each row its own position (decoding slots): [B*K].
           rows = jnp.arange(kv.shape[0])
-          new[name] = cache[name].at[rows, :, index].set(kv[:, :, 0], mode="promise_in_bounds")
-      filled = positions[None, :] <= jnp.reshape(index, (-1, 1))  # [1 or B*K, L]
-      return self.self_attention.attend_heads(q, new["k"], new["v"], filled[:, None, None, :])
+          new[name] = cache[name].at[rows, :, index].set(kv[:, 0], mode="promise_in_bounds")
+        else:  # Each row its own C positions: [B*K, C], those past the cache dropped.
+          rows = jnp.arange(kv.shape[0])[:, None]
+          at = index[:, None] + jnp.arange(width)
+          new[name] = cache[name].at[rows, :, at].set(kv, mode="drop")  # kv [B*K, C, N, H]
+      # [1 or B*K, C, L]: query c sees the keys up to its own position.
+      queries = jnp.reshape(index, (-1, 1)) + jnp.arange(width)
+      filled = positions[None, None, :] <= queries[:, :, None]
+      return self.self_attention.attend_heads(q, new["k"], new["v"], filled[:, None])
 
-    def cross_attend(z):  # z: [B*K, 1, D]
-      (q,) = self.cross_attention.project(z, "query")  # [B*K, 1, N, H]
+    def cross_attend(z):  # z: [B*K, C, D]
+      (q,) = self.cross_attention.project(z, "query")  # [B*K, C, N, H]
       b = cross_mask.shape[0]
-      q = q.reshape(b, -1, *q.shape[2:])  # [B, K, N, H]: a source's K rows as query positions
+      q = q.reshape(b, -1, *q.shape[2:])  # [B, K*C, N, H]: a source's rows as query positions
       out = self.cross_attention.attend_heads(q, cross["k"], cross["v"], cross_mask)
-      return out.reshape(z.shape)  # [B, K, D] -> [B*K, 1, D]
+      return out.reshape(z.shape)  # [B, K*C, D] -> [B*K, C, D]
 
     y = self.self_attention_sublayer(y, self_attend, True)
     y = self._cross_and_ffn(y, cross_attend, True)
@@ -183,7 +194,7 @@ class UnrolledDecoder(nn.Module):
     return keys, values
 
   def step(self, y, cache, cross, index, cross_mask):
-    """y [B*K, 1, D] through every layer, each writing its position into its own cache."""
+    """y [B*K, C, D] through every layer, each writing its positions into its own cache."""
     keys, values = [], []
     for i, block in enumerate(self.blocks):
       layer_cross = cross and {"k": cross["k"][i], "v": cross["v"][i]}

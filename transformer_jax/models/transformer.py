@@ -294,13 +294,35 @@ class LanguageModel(_Shared, nn.Module):
     """tokens: [B, 1], each row's token at cache["index"] -> (logits [B, V] float32 for the
     next one, cache). `source` is unused (no cross-attention): the encoder-decoder model's
     signature, which the decoders of decoding/generation.py call alike."""
+    logits, cache = self.extend(tokens, cache)
+    return logits[:, 0], cache
+
+  def extend(self, tokens, cache, last=None):
+    """Reads C positions in one pass (a prompt, or a chunk of one): tokens [B, C], each row's
+    tokens from cache["index"] (scalar, or [B]: each row's own) on -> (logits float32 for the
+    next tokens, cache with their keys and values and index + C). The logits are [B, C, V],
+    or with `last` [B] only those of each row's chunk position last[b], [B, V] (the vocabulary
+    projection computed for those alone)."""
+    y, cache = self.cached_features(tokens, cache)
+    if last is not None:
+      y = jnp.take_along_axis(y, jnp.reshape(last, (-1, 1, 1)), axis=1)  # [B, 1, D]
+    logits = self.project(y)
+    return (logits if last is None else logits[:, 0]), cache
+
+  def cached_features(self, tokens, cache):
+    """`extend`'s features before the vocabulary projection (`project`): [B, C, D]. Positions
+    past a row's prompt compute what the caller ignores: their keys and values lie after the
+    prompt's, where the next steps write before they read."""
     index = cache["index"]
-    positions = jnp.broadcast_to(jnp.reshape(index, (-1, 1)), tokens.shape)
+    width = tokens.shape[1]
+    positions = jnp.reshape(index, (-1, 1)) + jnp.arange(width)
+    # Past the learned table: a position no caller reads (its cache write is dropped).
+    positions = jnp.broadcast_to(jnp.minimum(positions, self.cfg.max_len - 1), tokens.shape)
     y = self._inputs(self.embed, tokens, positions, True)
     y, layers = self.decoder_stack.step(y, {"k": cache["k"], "v": cache["v"]}, None, index, None)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
-    return self._logits(y)[:, 0].astype(jnp.float32), {"index": index + 1, **layers}
+    return y, {"index": index + width, **layers}
 
 
 class MaskedLanguageModel(_Shared, nn.Module):
