@@ -540,3 +540,21 @@ def test_a_compilation_cache_that_cannot_be_written_is_one_warning(lm_run, tmp_p
       f"the compilation cache {cache} cannot be created: {tmp_path / 'a_file'} is a file: "
       "compiling without it (--compilation_cache_dir names another)"), said
   assert proc.stdout == _generate("--workdir", lm_run, "ROMEO.", "--max_new_tokens", 6).stdout
+
+
+def test_the_decoding_race_with_transformers_runs_both_sides_to_equal_tokens(lm_run, tmp_path):
+  """benchmarks/lm_vs_transformers.py at toy sizes: it exports the run, times both sides and
+  finds their greedy tokens equal on every row (it exits 1 where they differ)."""
+  out = tmp_path / "race.json"
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/lm_vs_transformers.py", "--workdir", str(lm_run),
+       "--data_dir", str(DATA / "shakespeare"), "--first_token_lengths", "4,9",
+       "--prompt_len", "8", "--new_tokens", "6", "--batch", "3", "--repeats", "1",
+       "--export_dir", str(tmp_path / "hf"), "--json", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["measure"], r["prompt_tokens"], r["prompts"]) for r in rows] == [
+      ("first_token", 4, 1), ("first_token", 9, 1), ("throughput", 8, 1), ("throughput", 8, 3)]
+  assert all(r["tokens_equal"] and r["ours_ms"] > 0 and r["transformers_ms"] > 0 for r in rows)
+  assert rows[-1]["new_tokens"] >= 3  # Each row makes at least one token.

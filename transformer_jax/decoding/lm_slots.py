@@ -6,9 +6,9 @@ completions engine).
 A slot reads its prompt in chunks, then feeds back what it draws; the step that reads the
 prompt's last token draws the first new one. Each step, beside every running row's decoding
 position, the lowest slot with more of its prompt to read reads a chunk of it in one pass (the
-narrowest of the platform's `prompt_chunks` widths that holds the rest, else the widest), so a
-long prompt is read in a few steps and never stalls the running sequences for longer than one
-chunk. Every row steps at its own position (the cache's index is per row), so a sequence joins
+narrowest of the platform's `prompt_chunks` widths that holds the rest, else the widest; the
+widest only while no other sequence decodes), so a long prompt is read in a few steps and
+never stalls the running sequences for longer than one chunk. Every row steps at its own position (the cache's index is per row), so a sequence joins
 while others are halfway and leaves when it ends, its slot free for the next. A sequence's i-th new token
 draws with the key fold_in(fold_in(PRNGKey(seed), item), i), the key `generate` gives prompt
 number `item` of its input: the same seed draws the same text in any slot, beside any others,
@@ -212,12 +212,15 @@ class LanguageSlots:
     """The lowest slot of `reading` [R] reads the next chunk of its prompt in one pass, up to
     (not including) its last token: what it writes and t move past the chunk, as the chunk's
     steps one position at a time would have left them. The width is the narrowest of
-    `self.chunks` that holds the rest, else the widest (a step of every width in one
-    program)."""
+    `self.chunks` that holds the rest, else the widest, or the next to widest where other
+    sequences are decoding (a step of every width in one program)."""
     r = jnp.argmax(reading)
     left = s["length"][r] - 1 - s["t"][r]  # Positions before the last prompt token.
     widths = jnp.array(self.chunks)
-    branch = jnp.minimum(jnp.searchsorted(widths, left), len(self.chunks) - 1)
+    # The widest chunk only where no sequence decodes meanwhile (none waits for it).
+    decoding = jnp.any(s["active"] & ~s["done"] & ~reading)
+    widest = len(self.chunks) - 1 - (decoding & (len(self.chunks) > 1))
+    branch = jnp.minimum(jnp.searchsorted(widths, left), widest)
     reads = [functools.partial(self._chunk, width=w) for w in self.chunks]
     return lax.switch(branch, reads, params, s, r)
 

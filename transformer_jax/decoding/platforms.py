@@ -38,9 +38,11 @@ class Platform:
   row_copy: str
   # The widths a language model's decoding slots read a prompt in: one chunk a step, beside
   # the running sequences' decode steps, the narrowest that holds what is left of the prompt
-  # (all compiled into one program). The widest bounds how long a step stalls the running
-  # streams while a long prompt is read; an accelerator reads a wide chunk in about the time
-  # of one position.
+  # (all compiled into one program); the widest only while no other sequence decodes, the
+  # next to widest bounding how long a step stalls running streams. On 2 cores, a model of
+  # max_len 512 (d_model 256, 4 layers) served a 510-token prompt's first token in 112 ms
+  # with 256-wide chunks, 219 ms with 64-wide ones (16 tokens: 50 ms); an accelerator reads a
+  # wide chunk in about the time of one position.
   prompt_chunks: tuple[int, ...]
 
   def slots(self, beam_size: int) -> int:
