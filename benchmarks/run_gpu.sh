@@ -163,8 +163,9 @@ elif [ "$part" = mfu ]; then
 elif [ "$part" = 3 ]; then
   for size in base big; do
     step "variants_$size" 300 $py benchmarks/step_variants.py --config "configs/wmt14_$size.py" \
-        --steps 20 --variant loss_chunks=1 --variant loss_chunks=4 --variant loss_chunks=8 \
-        --variant grad_accum_steps=4 --variant grad_accum_steps=4,loss_chunks=4 \
+        --steps 20 --variant step.loss_chunks=1 --variant step.loss_chunks=4 \
+        --variant step.loss_chunks=8 --variant step.grad_accum_steps=4 \
+        --variant step.grad_accum_steps=4,step.loss_chunks=4 \
         --json "$out/variants_$size.json"
   done
   step compare_compile 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
@@ -172,7 +173,7 @@ elif [ "$part" = 3 ]; then
       --json "$out/compare_compile.json"
   for chunks in 1 4; do
     step "profile_chunks$chunks" 200 $py benchmarks/profile_step.py --config configs/wmt14_base.py \
-        --set loss_chunks=$chunks
+        --set step.loss_chunks=$chunks
   done
 else
   step cudnn_test 120 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_model.py -k cudnn

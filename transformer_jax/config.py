@@ -353,6 +353,8 @@ class RunConfig(_Section):
           f"run.mesh_shape={self.mesh_shape} must have 3 entries (data, fsdp, tensor)")
     check(self.peak_flops >= 0, f"run.peak_flops={self.peak_flops} must be >= 0 (0: known "
           "devices' own)")
+    # The data order's generator (NumPy's) takes a non-negative seed, jax's keys 64 bits.
+    check(0 <= self.seed < 2 ** 63, f"run.seed={self.seed} must be in [0, 2**63)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -67,9 +67,37 @@ def new_directory(output: str | Path):
     if output.exists():  # Made by someone else meanwhile: theirs stays.
       raise NotWritableError(f"{output} appeared while it was being written; nothing of it "
                              "was changed")
+    _open_to_the_umask(partial)
     partial.rename(output)
   finally:
     shutil.rmtree(partial, ignore_errors=True)
+
+
+def umask() -> int:
+  """The process's umask, read without changing it (Linux: /proc/self/status)."""
+  try:
+    for line in Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("Umask:"):
+        return int(line.split()[1], 8)
+  except OSError:
+    pass
+  mask = os.umask(0o022)  # Elsewhere: set and restored at once.
+  os.umask(mask)
+  return mask
+
+
+def _open_to_the_umask(directory: Path) -> None:
+  """Gives `directory` and everything in it the permissions a user's umask allows (mkdtemp
+  makes a directory 0700, and some writers make their files 0600: another account, or a
+  service running as one, could not read what a command wrote)."""
+  mask = umask()
+  for root, dirs, files in os.walk(directory):
+    os.chmod(root, 0o777 & ~mask)
+    for name in files:
+      path = os.path.join(root, name)
+      if not os.path.islink(path):
+        executable = stat.S_IMODE(os.stat(path).st_mode) & 0o111
+        os.chmod(path, (0o666 | executable) & ~mask)
 
 
 def replace_file(path: str | Path, data: bytes) -> None:

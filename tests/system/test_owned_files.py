@@ -222,3 +222,26 @@ def test_translate_on_a_full_disk_leaves_the_file_it_would_replace_as_it_was(run
   assert "no space left on device" in line.lower(), line
   assert (tmp_path / "after.txt").read_text() == "mine\n"
   assert (tmp_path / "listing.txt").read_text().split() == [".", "..", "filler", "out.txt"]
+
+
+@pytest.mark.parametrize("command", [("export", "--to", "huggingface"),
+                                     ("export", "--to", "ctranslate2"),
+                                     ("average", "--last", "2", "--output")])
+def test_what_export_and_average_write_follows_the_users_umask(trained, tmp_path, command):
+  """Under umask 022 every folder they write is 0755 and every file 0644: another account
+  (a server's) can load it (they once wrote folders 0700 and model.safetensors 0600)."""
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  out = tmp_path / "out"
+  args = [*command, str(out)]
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer_jax", args[0], "--workdir", str(trained[1]),
+       *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+      preexec_fn=lambda: os.umask(0o022))
+  assert result.returncode == 0, result.stderr[-3000:]
+  modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+           for p in [out, *out.rglob("*")]}
+  assert len(modes) > 2
+  assert {m for p, m in modes.items() if (tmp_path / p).is_dir()} == {"0o755"}, modes
+  assert {m for p, m in modes.items() if (tmp_path / p).is_file()} == {"0o644"}, modes

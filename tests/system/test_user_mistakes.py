@@ -393,6 +393,15 @@ def test_an_unknown_config_variant_or_file_is_one_line(tmp_path, config, message
   assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("seed", [-1, 2 ** 63])
+def test_a_seed_out_of_range_is_one_line_and_no_workdir(tmp_path, seed):
+  result = _run("train.py", "--config", "configs/fra_eng.py:smoke", "--workdir",
+                str(tmp_path / "w"), f"--config.data.data_dir={DATA / 'fra-eng'}",
+                f"--config.data.tfds_dir={tmp_path / 'tfds'}", f"--config.run.seed={seed}")
+  assert _one_error_line(result) == f"error: run.seed={seed} must be in [0, 2**63)"
+  assert not (tmp_path / "w").exists() and not (tmp_path / "tfds").exists()
+
+
 def test_a_parallel_tsv_line_with_a_third_column_is_named(smoke_config, tmp_path):
   from transformer_jax.data.builders import DatasetError
   data = _tsv_dir(tmp_path / "data", ["one\tun", "two\tdeux\textra", "three\ttrois"])
