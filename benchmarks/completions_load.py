@@ -79,7 +79,8 @@ def stream(port: int, body: dict) -> tuple[str, float | None, int, list[float]]:
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
   began = time.monotonic()
   connection.request("POST", "/v1/completions", body=json.dumps(
-      {**body, "stream": True, "stream_options": {"include_usage": True}}))
+      {**body, "stream": True, "stream_options": {"include_usage": True}}),
+      headers={"Content-Type": "application/json"})
   response = connection.getresponse()
   if response.status != 200:
     raise RuntimeError(f"{response.status}: {response.read()[:300]!r}")
@@ -240,7 +241,8 @@ def get_usage(port: int, name: str, prompt: str) -> int:
   """The prompt tokens the server counts for `prompt` (its usage, <bos> aside)."""
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
   connection.request("POST", "/v1/completions", body=json.dumps(
-      {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}))
+      {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}),
+      headers={"Content-Type": "application/json"})
   answer = json.loads(connection.getresponse().read())
   connection.close()
   return answer["usage"]["prompt_tokens"]

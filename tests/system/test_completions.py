@@ -19,6 +19,7 @@ from tests.conftest import ROOT
 
 PROMPTS = ["ROMEO.", "To be, or not", "JULIET.\nO"]
 MODEL = "lm_run"  # The workdir's folder name.
+JSON = {"Content-Type": "application/json"}
 
 
 def _serve(workdir, tmp_path, *flags):
@@ -173,12 +174,52 @@ def test_bad_requests_get_openais_error_shape(server, body, status, param, messa
   import re
   connection = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
   data = body if isinstance(body, bytes) else json.dumps(body).encode()
-  connection.request("POST", "/v1/completions", body=data)
+  connection.request("POST", "/v1/completions", body=data, headers=JSON)
   response = connection.getresponse()
   error = json.loads(response.read())["error"]
   assert response.status == status, error
   assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
   assert re.search(message, error["message"]), error["message"]
+
+
+@pytest.mark.parametrize("method,path,headers,status,code", [
+    # A web page's form or fetch() of text: refused before anything is decoded.
+    ("POST", "/v1/completions", {"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+    ("POST", "/v1/completions", {"Content-Type": "application/x-www-form-urlencoded"}, 415,
+     "unsupported_media_type"),
+    ("POST", "/v1/completions", {}, 415, "unsupported_media_type"),
+    # A name a page resolved to 127.0.0.1 (DNS rebinding).
+    ("POST", "/v1/completions", {**JSON, "Host": "evil.example:8080"}, 421,
+     "misdirected_request"),
+    ("POST", "/v1/chat/completions", JSON, 404, "not_found"),
+    ("GET", "/v1/completions", {}, 405, "method_not_allowed"),
+])
+def test_what_a_browser_page_or_a_wrong_path_sends_is_refused_in_openais_shape(
+    server, method, path, headers, status, code):
+  connection = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+  connection.request(method, path, headers=headers, body=json.dumps(
+      {"model": MODEL, "prompt": "ROMEO.", "max_tokens": 2}) if method == "POST" else None)
+  response = connection.getresponse()
+  error = json.loads(response.read())["error"]
+  assert (response.status, error["code"]) == (status, code), error
+  assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_an_api_key_is_checked_as_openais_clients_send_it(lm_run, tmp_path):
+  process, port, log = _serve(lm_run, tmp_path, "--slots=2", "--api_key=s3cret")
+  try:
+    assert get(port, "/health")[0] == 200  # Probes need no key.
+    for key in ("wrong", "s3cret2"):
+      bad = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+      with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=2)
+      assert e.value.body["code"] == "invalid_api_key"
+    good = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret",
+                         max_retries=0)
+    assert good.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=2).choices
+    assert get(port, "/stats")[0] == 401
+  finally:
+    assert stop_server(process) == 0, log.read_text()[-3000:]
 
 
 def test_the_client_raises_openais_errors(client):
@@ -193,7 +234,8 @@ def test_the_client_raises_openais_errors(client):
 
 def _open_stream(port, body):
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-  connection.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}))
+  connection.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                     headers=JSON)
   response = connection.getresponse()
   assert response.status == 200
   return connection, response
@@ -220,7 +262,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slots(lm_run, tmp_path):
     next(_events(response))
     other = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     other.request("POST", "/v1/completions", body=json.dumps(
-        {"model": MODEL, "prompt": "ROMEO.", "n": 20, "max_tokens": 4}))
+        {"model": MODEL, "prompt": "ROMEO.", "n": 20, "max_tokens": 4}), headers=JSON)
     full = other.getresponse()
     error = json.loads(full.read())["error"]
     assert full.status == 503 and full.getheader("Retry-After") == "1", error

@@ -148,6 +148,22 @@ def test_bad_requests_get_400_with_a_message(server, body, message):
   assert message in answer["error"]
 
 
+@pytest.mark.parametrize("headers,status,message", [
+    ({"Content-Type": "text/plain"}, 415, "the request body must be JSON"),
+    ({"Content-Type": "application/json", "Host": "rebound.example"}, 421,
+     "this server answers requests to 127.0.0.1, localhost, ::1 only, not to rebound.example"),
+])
+def test_what_a_browser_page_sends_is_refused_before_it_is_read(server, headers, status,
+                                                                message):
+  connection = _connection(server)
+  connection.request("POST", "/translate", body=json.dumps({"sentences": ["I lost."]}),
+                     headers=headers)
+  response = connection.getresponse()
+  answer = json.loads(response.read())
+  connection.close()
+  assert response.status == status and message in answer["error"], answer
+
+
 def test_a_sentence_over_the_models_length_is_translated_as_translate_does(server, trained,
                                                                           tmp_path):
   """Over max_len tokens: cut to fit and translated in pieces, by `serve` as by `translate`."""
@@ -281,7 +297,7 @@ def test_a_client_stalled_halfway_through_its_request_does_not_hold_up_shutdown(
   process, port, log = _serve(workdir, tmp_path, "--shutdown_timeout=5")
   with socket.create_connection(("127.0.0.1", port)) as stalled:
     body = json.dumps({"sentences": ["Hello."]}).encode()
-    stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
     get(port, "/health")  # The server has read the headers and waits for the rest.
     for _ in range(signals):

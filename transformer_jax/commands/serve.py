@@ -3,10 +3,12 @@ translations, a language model's completions through OpenAI's API.
 
   python -m transformer_jax serve --workdir runs/fra_eng --port 8080
   curl -s localhost:8080/ready
-  curl -s localhost:8080/translate -d '{"sentences": ["I lost.", "I am home."]}'
+  curl -s localhost:8080/translate -H 'Content-Type: application/json' \
+      -d '{"sentences": ["I lost.", "I am home."]}'
 
   python -m transformer_jax serve --workdir runs/lm_shakespeare --port 8080
-  curl -s localhost:8080/v1/completions -d '{"model": "lm_shakespeare", "prompt": "ROMEO."}'
+  curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "lm_shakespeare", "prompt": "ROMEO."}'
 
 The sentences (or sequences) of concurrent requests are decoded together in decoding slots,
 which each enters as it comes and leaves as its search ends (continuous batching). GET /ready
@@ -74,6 +76,13 @@ def define_flags() -> None:
   flags.DEFINE_string("model_name", None, "The model's name in OpenAI's API (a language model's "
                       "requests name it; GET /v1/models lists it); default: the workdir's "
                       "folder name.")
+  flags.DEFINE_string("api_key", None, "Requests must send 'Authorization: Bearer KEY' (as "
+                      "OpenAI's clients send their api_key); /health and /ready stay open. "
+                      "Default: $TRANSFORMER_JAX_API_KEY where set, else no key.")
+  flags.DEFINE_list("allowed_hosts", None, "Host names requests may address besides the "
+                    "loopback ones (a server on --host 127.0.0.1 answers 127.0.0.1, localhost "
+                    "and ::1 only, so that no web page can reach it by DNS rebinding; on "
+                    "another --host, any name unless this lists them).")
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
                       "restart then compiles nothing); default: the training run's "
                       "(run.compilation_cache_dir, or WORKDIR/jax_cache).")
@@ -155,6 +164,7 @@ def main(argv):
       app_ = _completions_app(FLAGS, slots, programs)
     else:
       app_ = _translation_app(FLAGS, config, beam_sizes, slots, programs)
+    app_ = _guarded(app_, FLAGS, language)
     server = uvicorn.Server(uvicorn.Config(
         app_, host=FLAGS.host, port=FLAGS.port, log_level="warning",
         access_log=False, lifespan="on", timeout_graceful_shutdown=FLAGS.shutdown_timeout,
@@ -168,6 +178,25 @@ def main(argv):
     std_logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
     server.run(sockets=[listening])
     logging.info("shut down")
+
+
+def _guarded(app_, FLAGS, language: bool):
+  """The app behind serving/guard.py's checks: the API key, the Host names, JSON bodies."""
+  from transformer_jax.serving import guard
+  if language:
+    from transformer_jax.serving.completions import refusal
+  else:
+    from transformer_jax.serving.server import refusal
+  key = FLAGS.api_key if FLAGS.api_key is not None else os.environ.get("TRANSFORMER_JAX_API_KEY")
+  if key is not None and not key.strip():
+    raise ServeError("--api_key (or TRANSFORMER_JAX_API_KEY) is empty: give a key, or unset it")
+  hosts = guard.loopback_hosts(FLAGS.host)
+  if FLAGS.allowed_hosts:
+    hosts = (*(hosts or ()), *FLAGS.allowed_hosts)
+  if key is None and hosts is None:
+    logging.warning("listening on %s without --api_key: anyone who can reach port %d can use "
+                    "this server", FLAGS.host, FLAGS.port)
+  return guard.Guard(app_, key and key.strip(), hosts, refusal)
 
 
 def _translation_app(FLAGS, config, beam_sizes, slots, programs):

@@ -61,6 +61,12 @@ class Refused(Exception):
                         headers={"Retry-After": "1"} if self.retry else None)
 
 
+def refusal(status: int, message: str, code: str | None = None) -> dict:
+  """OpenAI's error body (serving/guard.py's refusals too)."""
+  kind = "invalid_request_error" if status < 500 else "server_error"
+  return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
   max_queue: int = 1024  # Sequences waiting, at most.
@@ -585,7 +591,18 @@ def create_app(service: Service) -> Starlette:
       await asyncio.to_thread(engine.stop)
       logging.info("stopped")
 
+  async def unknown(request: Request, exc) -> JSONResponse:  # 404 and 405, in OpenAI's shape.
+    if exc.status_code == 405:
+      message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+      message = (f"no endpoint {request.method} {request.url.path}: this server answers POST "
+                 "/v1/completions and GET /v1/models (no chat completions: the model is a "
+                 "plain language model)")
+    return JSONResponse(refusal(exc.status_code, message, "not_found" if exc.status_code == 404
+                                else "method_not_allowed"), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
   return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                            Route("/v1/models", models), Route("/health", health),
                            Route("/ready", ready), Route("/stats", stats)],
-                   lifespan=lifespan)
+                   exception_handlers={404: unknown, 405: unknown}, lifespan=lifespan)

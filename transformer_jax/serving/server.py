@@ -175,6 +175,11 @@ def _integer(request: dict, name: str, default: int) -> int:
   return value
 
 
+def refusal(status: int, message: str, code: str) -> dict:
+  """This server's error body (serving/guard.py's refusals too)."""
+  return {"error": message}
+
+
 def _error(status: int, message: str, **headers) -> JSONResponse:
   return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
