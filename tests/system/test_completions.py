@@ -74,6 +74,14 @@ def test_greedy_and_seeded_completions_are_what_generate_writes(lm_run, client, 
       "--top_k=50", "--seed=3")
 
 
+def test_a_top_p_below_float32s_normal_range_is_the_greedy_text(client):
+  args = dict(model=MODEL, prompt=PROMPTS, max_tokens=10)
+  greedy = client.completions.create(**args, temperature=0)
+  tiny = client.completions.create(**args, temperature=1.0, top_p=1e-40, seed=1)
+  assert [c.text for c in tiny.choices] == [c.text for c in greedy.choices]
+  assert all(c.text for c in tiny.choices)
+
+
 def test_n_echo_logprobs_and_usage(client, lm_run):
   from transformer_jax.workdir import Workdir
   tokenizer = Workdir(lm_run).tokenizers().tgt
@@ -203,6 +211,26 @@ def test_what_a_browser_page_or_a_wrong_path_sends_is_refused_in_openais_shape(
   error = json.loads(response.read())["error"]
   assert (response.status, error["code"]) == (status, code), error
   assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_a_client_that_leaves_before_its_whole_answer_has_nothing_more_decoded(server):
+  """A non-streaming request of n=12 dropped as soon as its first sequence starts: those
+  running end, those still queued never start (4 slots: 4 of the 12 run, a few more where
+  the first end before the server hears the client go)."""
+  import socket
+  before = get(server, "/stats")[1]
+  body = json.dumps({"model": MODEL, "prompt": "ROMEO.", "n": 12, "max_tokens": 24,
+                     "temperature": 1.0}).encode()
+  with socket.create_connection(("127.0.0.1", server)) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 60
+    while get(server, "/stats")[1]["sequences"] == before["sequences"]:
+      assert time.monotonic() < deadline
+  deadline = time.monotonic() + 120
+  while (after := get(server, "/stats")[1])["running"] or after["queued"]:
+    assert time.monotonic() < deadline, after
+  assert 1 <= after["sequences"] - before["sequences"] <= 8, (before, after)
 
 
 def test_an_api_key_is_checked_as_openais_clients_send_it(lm_run, tmp_path):

@@ -251,6 +251,19 @@ def test_sampled_continuations_equal_draws_from_the_full_forward_pass(max_len, m
       tokens.append(nxt)
 
 
+def test_a_top_p_below_float32s_normal_range_keeps_the_most_likely_token():
+  """top_p=1e-40 flushes to 0 on a CPU: every token was cut, and the draw fell on <pad>.
+  The most likely token always stays: such a top_p is greedy."""
+  from transformer_jax.decoding.generation import continue_prompts
+  model, params = _lm()
+  ids, lengths = np.array([[BOS, 5, 9, 11]], np.int32), np.array([4], np.int32)
+  run = jax.jit(continue_prompts, static_argnums=(0, 4, 5, 6))
+  tiny = run(model, params, ids, lengths, 24, 12, search.Sampling(top_p=1e-40),
+             jax.random.PRNGKey(0))
+  greedy = run(model, params, ids, lengths, 24, 12, search.Greedy(), jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(tiny, greedy)
+
+
 def test_a_sampled_continuation_is_the_same_in_any_batch():
   from transformer_jax.decoding.generation import continue_prompts
   model, params = _lm()

@@ -297,7 +297,8 @@ def test_a_client_stalled_halfway_through_its_request_does_not_hold_up_shutdown(
   process, port, log = _serve(workdir, tmp_path, "--shutdown_timeout=5")
   with socket.create_connection(("127.0.0.1", port)) as stalled:
     body = json.dumps({"sentences": ["Hello."]}).encode()
-    stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    stalled.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\n"
                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
     get(port, "/health")  # The server has read the headers and waits for the rest.
     for _ in range(signals):

@@ -8,10 +8,11 @@ prompt's last token draws the first new one. Each step, beside every running row
 position, the lowest slot with more of its prompt to read reads a chunk of it in one pass (the
 narrowest of the platform's `prompt_chunks` widths that holds the rest, else the widest; the
 widest only while no other sequence decodes), so a long prompt is read in a few steps and
-never stalls the running sequences for longer than one chunk. Every row steps at its own position (the cache's index is per row), so a sequence joins
-while others are halfway and leaves when it ends, its slot free for the next. A sequence's i-th new token
-draws with the key fold_in(fold_in(PRNGKey(seed), item), i), the key `generate` gives prompt
-number `item` of its input: the same seed draws the same text in any slot, beside any others,
+never stalls the running sequences for longer than one chunk. Every row steps at its own
+position (the cache's index is per row), so a sequence joins while others are halfway and
+leaves when it ends, its slot free for the next. A sequence's i-th new token draws with the
+key fold_in(fold_in(PRNGKey(seed), item), i), the key `generate` gives prompt number `item` of
+its input: the same seed draws the same text in any slot, beside any others,
 and greedy rows (temperature 0) choose what `generate` chooses.
 
 Programs (compiled once for the decoder's shape, whatever the traffic):
@@ -79,7 +80,9 @@ def _filtered(scaled, top_k, top_p):
   scaled = jnp.where((top_k[:, None] > 0) & (scaled < kth), search.NEG_INF, scaled)
   descending = jnp.sort(scaled, axis=-1)[:, ::-1]
   probs = jax.nn.softmax(descending, axis=-1)
-  keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
+  # The most likely always (a top_p below float32's normal range flushes to 0 on a CPU).
+  first = jnp.arange(probs.shape[-1]) == 0
+  keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | first
   threshold = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)
   nucleus = jnp.where(scaled < threshold, search.NEG_INF, scaled)
   return jnp.where(top_p[:, None] < 1.0, nucleus, scaled)

@@ -62,8 +62,10 @@ class Sampling:
     if self.top_p < 1.0:
       sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V], descending
       probs = jax.nn.softmax(sorted_logits, axis=-1)
-      # Keep a token if the tokens more likely than it hold less than top_p.
-      keep = jnp.cumsum(probs, axis=-1) - probs < self.top_p
+      # Keep a token if the tokens more likely than it hold less than top_p; the most likely
+      # always (a top_p below float32's normal range flushes to 0 on a CPU).
+      first = jnp.arange(probs.shape[-1]) == 0
+      keep = (jnp.cumsum(probs, axis=-1) - probs < self.top_p) | first
       threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
       logits = jnp.where(logits < threshold, NEG_INF, logits)
     return jax.vmap(jax.random.categorical)(keys, logits)

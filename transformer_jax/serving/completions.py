@@ -27,7 +27,7 @@ import time
 from absl import logging
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from transformer_jax.data.tokenizer import BOS, EOS
@@ -59,6 +59,13 @@ class Refused(Exception):
                       "code": self.code}}
     return JSONResponse(body, status_code=self.status,
                         headers={"Retry-After": "1"} if self.retry else None)
+
+
+async def _disconnected(request: Request) -> None:
+  """Returns once the client of a request whose body was read has gone (ASGI's
+  http.disconnect); a non-streaming answer is otherwise computed whole for nobody."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
 
 
 def refusal(status: int, message: str, code: str | None = None) -> dict:
@@ -500,12 +507,22 @@ def create_app(service: Service) -> Starlette:
         return StreamingResponse(_stream(parsed, rid, choices, sequences, events),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+      gone = asyncio.ensure_future(_disconnected(request))
       try:
         ended = 0
         while ended < len(choices):
-          _, over = await next_event(events, choices, sequences)
+          news = asyncio.ensure_future(next_event(events, choices, sequences))
+          await asyncio.wait([news, gone], return_when=asyncio.FIRST_COMPLETED)
+          if not news.done():  # The client left: nothing more is decoded for it.
+            news.cancel()
+            status = 499
+            logging.info("the client of %s left before its answer: %d sequences cancelled",
+                         rid, len(sequences))
+            return Response(status_code=499)
+          _, over = news.result()
           ended += over
       finally:
+        gone.cancel()
         engine.cancel(sequences)  # A request cut short (its client gone) frees its slots.
       body = {**head(parsed, rid), "choices": [
           {"text": (c.request.texts[c.index // parsed.n] if parsed.echo else "") + c.text,
