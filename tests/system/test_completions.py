@@ -37,7 +37,7 @@ def _serve(workdir, tmp_path, *flags):
 @pytest.fixture(scope="module")
 def server(lm_run, tmp_path_factory):
   server, port, log = _serve(lm_run, tmp_path_factory.mktemp("serve_lm"), "--slots=4",
-                             "--max_sentences=12")
+                             "--max_sentences=12", "--read_timeout=3")
   yield port
   assert stop_server(server) == 0, log.read_text()[-3000:]
 
@@ -231,6 +231,41 @@ def test_a_client_that_leaves_before_its_whole_answer_has_nothing_more_decoded(s
   while (after := get(server, "/stats")[1])["running"] or after["queued"]:
     assert time.monotonic() < deadline, after
   assert 1 <= after["sequences"] - before["sequences"] <= 8, (before, after)
+
+
+def test_slow_or_greedy_clients_cannot_hold_the_server(server):
+  """A head sent a line a second is cut off at --read_timeout (3 s here), a body likewise
+  (400); a head over 16 KB is refused at once; meanwhile other clients are answered."""
+  import socket
+  began = time.monotonic()
+  with socket.create_connection(("127.0.0.1", server)) as slow:
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    closed = False
+    for i in range(30):
+      try:
+        slow.sendall(b"X-Slow-%d: 1\r\n" % i)
+        slow.settimeout(1.0)
+        closed = slow.recv(100) == b""
+      except socket.timeout:
+        continue
+      except ConnectionError:
+        closed = True
+      if closed:
+        break
+    assert closed and time.monotonic() - began < 10
+  with socket.create_connection(("127.0.0.1", server)) as greedy:
+    greedy.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 40000)
+    greedy.settimeout(30)
+    assert greedy.recv(100).startswith(b"HTTP/1.1 400")
+  connection = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+  connection.putrequest("POST", "/v1/completions")
+  for name, value in (*JSON.items(), ("Content-Length", "100")):
+    connection.putheader(name, value)
+  connection.endheaders(b'{"model": ')  # And no more.
+  response = connection.getresponse()
+  error = json.loads(response.read())["error"]
+  assert response.status == 400 and "did not arrive within 3 s" in error["message"], error
+  assert get(server, "/health")[0] == 200
 
 
 def test_an_api_key_is_checked_as_openais_clients_send_it(lm_run, tmp_path):

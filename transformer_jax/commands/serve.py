@@ -65,6 +65,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_connections", 512, "Open connections at most (uvicorn's "
                        "limit_concurrency): one more is answered 503 at once.")
   flags.DEFINE_integer("max_request_bytes", 65536, "Largest request body.")
+  flags.DEFINE_float("read_timeout", 30.0, "Seconds a request's head (its request line and "
+                     "headers, at most 16 KB) and then its body may each take to arrive: a "
+                     "slower client's connection is closed (head) or answered 400 (body).")
   flags.DEFINE_integer("max_sentences", 64, "Most sentences in one request (a language "
                        "model's: prompts times n).")
   flags.DEFINE_integer("max_sentence_chars", 2000, "Longest sentence (or prompt), in "
@@ -127,6 +130,8 @@ def main(argv):
       raise ServeError(f"--lanes must be 0 (the device's) or positive, got {FLAGS.lanes}")
     if FLAGS.slots != "auto" and not (FLAGS.slots.isdigit() and int(FLAGS.slots) > 0):
       raise ServeError(f"--slots must be 'auto' or a count of at least 1, got {FLAGS.slots!r}")
+    if not FLAGS.read_timeout > 0:
+      raise ServeError(f"--read_timeout must be positive (seconds), got {FLAGS.read_timeout}")
     if not FLAGS.shutdown_timeout > 0:
       raise ServeError(f"--shutdown_timeout must be positive (seconds), got "
                        f"{FLAGS.shutdown_timeout}")
@@ -165,8 +170,10 @@ def main(argv):
     else:
       app_ = _translation_app(FLAGS, config, beam_sizes, slots, programs)
     app_ = _guarded(app_, FLAGS, language)
+    from transformer_jax.serving.protocol import with_head_timeout
     server = uvicorn.Server(uvicorn.Config(
-        app_, host=FLAGS.host, port=FLAGS.port, log_level="warning",
+        app_, host=FLAGS.host, port=FLAGS.port, http=with_head_timeout(FLAGS.read_timeout),
+        log_level="warning",
         access_log=False, lifespan="on", timeout_graceful_shutdown=FLAGS.shutdown_timeout,
         limit_concurrency=FLAGS.max_connections))
     # uvicorn drains on SIGTERM or SIGINT, then raises the signal again: answered here, so that
@@ -207,7 +214,7 @@ def _translation_app(FLAGS, config, beam_sizes, slots, programs):
       beam_sizes=beam_sizes or tuple(sorted({1, default_beam})),
       max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
       max_sentences=FLAGS.max_sentences, max_sentence_chars=FLAGS.max_sentence_chars,
-      slots=slots, lanes=FLAGS.lanes)
+      slots=slots, lanes=FLAGS.lanes, read_timeout=FLAGS.read_timeout)
   if default_beam not in settings.beam_sizes:
     raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
                      f"size ({default_beam}), which requests without beam_size get")
@@ -225,7 +232,8 @@ def _completions_app(FLAGS, slots, programs):
     slots = platforms.settings(jax.default_backend()).slots(1)
   limits = completions.Limits(
       max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
-      max_sequences=FLAGS.max_sentences, max_prompt_chars=FLAGS.max_sentence_chars)
+      max_sequences=FLAGS.max_sentences, max_prompt_chars=FLAGS.max_sentence_chars,
+      read_timeout=FLAGS.read_timeout)
   name = FLAGS.model_name or Path(FLAGS.workdir[0]).absolute().name
   return completions.create_app(completions.Service(completer, slots, limits, name, programs))
 

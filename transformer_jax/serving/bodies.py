@@ -3,6 +3,7 @@ Each server answers a BadBody in its own error shape (400)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.requests import Request
@@ -14,18 +15,24 @@ class BadBody(Exception):
   """A request body over the limit, not UTF-8, not JSON, or not a JSON object."""
 
 
-async def read(request: Request, limit: int) -> bytes:
-  """The request body, refused as soon as it passes `limit` bytes."""
+async def read(request: Request, limit: int, timeout: float) -> bytes:
+  """The request body, refused as soon as it passes `limit` bytes or `timeout` seconds (a
+  client that sends it slowly holds a connection and a worker's memory)."""
   declared = request.headers.get("content-length", "")
   if declared.isdigit() and int(declared) > limit:
     raise BadBody(f"the request body has {declared} bytes; the limit is {limit} "
                   "(--max_request_bytes)")
   chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise BadBody(f"the request body is over {limit} bytes (--max_request_bytes)")
-    chunks.append(chunk)
+  try:
+    async with asyncio.timeout(timeout):
+      async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+          raise BadBody(f"the request body is over {limit} bytes (--max_request_bytes)")
+        chunks.append(chunk)
+  except TimeoutError:
+    raise BadBody(f"the request body did not arrive within {timeout:g} s "
+                  "(--read_timeout)") from None
   return b"".join(chunks)
 
 

@@ -78,6 +78,7 @@ def refusal(status: int, message: str, code: str | None = None) -> dict:
 class Limits:
   max_queue: int = 1024  # Sequences waiting, at most.
   max_request_bytes: int = 65536
+  read_timeout: float = 30.0  # Seconds a request's body may take to arrive.
   max_sequences: int = 64  # Prompts times n, per request.
   max_prompt_chars: int = 2000
 
@@ -498,7 +499,8 @@ def create_app(service: Service) -> Starlette:
   async def completions(request: Request):
     began, status, count = time.monotonic(), 500, 0
     try:
-      parsed = service.parse(await bodies.read(request, limits.max_request_bytes))
+      parsed = service.parse(await bodies.read(request, limits.max_request_bytes,
+                                                limits.read_timeout))
       count = len(parsed.prompts) * parsed.n
       rid = "cmpl-" + os.urandom(12).hex()
       choices, sequences, events = start(parsed)

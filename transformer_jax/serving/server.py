@@ -48,6 +48,7 @@ class Settings:
   beam_sizes: tuple[int, ...]  # The beam sizes a request may ask for.
   max_queue: int = 1024  # Sentences waiting, at most.
   max_request_bytes: int = 65536
+  read_timeout: float = 30.0  # Seconds a request's body may take to arrive.
   max_sentences: int = 64  # Per request.
   max_sentence_chars: int = 2000
   slots: int = -1  # Decoding slots per beam size and width class (slots.py); -1: the device's.
@@ -194,8 +195,8 @@ def create_app(service: Service) -> Starlette:
     count = 0
     response = None
     try:
-      lines, options, n_best, request_id = service.parse(await bodies.read(request,
-                                                                           settings.max_request_bytes))
+      body = await bodies.read(request, settings.max_request_bytes, settings.read_timeout)
+      lines, options, n_best, request_id = service.parse(body)
       count = len(lines)
       pieces, owners = service.pieces(lines, options, whole=bool(n_best))
       if len(pieces) > settings.max_queue:
