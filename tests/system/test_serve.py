@@ -164,6 +164,39 @@ def test_what_a_browser_page_sends_is_refused_before_it_is_read(server, headers,
   assert response.status == status and message in answer["error"], answer
 
 
+def test_a_large_request_of_many_lines_does_not_stall_other_clients(trained, tmp_path):
+  """64 lines of 90 short sentences each (63 KB): splitting them takes seconds, once done on
+  the event loop before any other client was answered; /health now answers meanwhile, and
+  the request is then refused for the sentences it makes."""
+  import threading
+  server, port, log = _serve(trained[1], tmp_path)
+  try:
+    lines = [" ".join(f"I am {i} here." for i in range(90))[:980] for _ in range(64)]
+    body = json.dumps({"sentences": lines}).encode()
+    assert 60_000 < len(body) < 65_536
+    sent, order, status = threading.Event(), [], {}
+
+    def big():
+      connection = _connection(port)
+      connection.request("POST", "/translate", body=body,
+                         headers={"Content-Type": "application/json"})
+      sent.set()
+      response = connection.getresponse()
+      status["big"] = (response.status, json.loads(response.read()))
+      order.append("big")
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    assert sent.wait(60)
+    assert get(port, "/health")[0] == 200
+    order.append("health")
+    thread.join(120)
+    assert order == ["health", "big"], (order, status)
+    assert status["big"][0] == 400 and "sentences to decode" in status["big"][1]["error"]
+  finally:
+    assert stop_server(server) == 0, log.read_text()[-3000:]
+
+
 def test_a_sentence_over_the_models_length_is_translated_as_translate_does(server, trained,
                                                                           tmp_path):
   """Over max_len tokens: cut to fit and translated in pieces, by `serve` as by `translate`."""

@@ -128,6 +128,16 @@ class Service:
                             beam_stop=self.defaults.beam_stop)
     return lines, options, n_best, request.get("id")
 
+  def prepare(self, body: bytes):
+    """(sentences, options, n_best, id, pieces, their lines) of a request body (`parse`, then
+    `pieces`), or BadRequest."""
+    lines, options, n_best, request_id = self.parse(body)
+    pieces, owners = self.pieces(lines, options, whole=bool(n_best))
+    if len(pieces) > self.settings.max_queue:
+      raise BadRequest(f"the request makes {len(pieces)} sentences to decode (long lines are "
+                       f"split); the queue holds {self.settings.max_queue} (--max_queue)")
+    return lines, options, n_best, request_id, pieces, owners
+
   def pieces(self, lines: list[str], options: DecodeOptions,
              whole: bool) -> tuple[list[tuple[list[int], Kind]], list[int]]:
     """The pieces to decode ((ids with <eos>, kind) each) and the line each came from: long
@@ -196,15 +206,15 @@ def create_app(service: Service) -> Starlette:
     response = None
     try:
       body = await bodies.read(request, settings.max_request_bytes, settings.read_timeout)
-      lines, options, n_best, request_id = service.parse(body)
+      # Parsing, splitting into sentences and tokenizing take seconds for a large request of
+      # many lines: off the event loop, which answers every other client meanwhile.
+      lines, options, n_best, request_id, pieces, owners = await asyncio.to_thread(
+          service.prepare, body)
       count = len(lines)
-      pieces, owners = service.pieces(lines, options, whole=bool(n_best))
-      if len(pieces) > settings.max_queue:
-        raise BadRequest(f"the request makes {len(pieces)} sentences to decode (long lines are "
-                         f"split); the queue holds {settings.max_queue} (--max_queue)")
       job = batcher.submit(pieces)
       results = await asyncio.wrap_future(job.future)
-      body = {"translations": service.answer(results, owners, count, n_best)}
+      body = {"translations": await asyncio.to_thread(service.answer, results, owners, count,
+                                                      n_best)}
       if request_id is not None:
         body["id"] = request_id
       response = JSONResponse(body)
