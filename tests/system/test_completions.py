@@ -82,6 +82,33 @@ def test_a_top_p_below_float32s_normal_range_is_the_greedy_text(client):
   assert all(c.text for c in tiny.choices)
 
 
+def test_logprobs_end_at_a_stop_string_and_count_characters(client):
+  """The tokens (and completion_tokens) end with the one a stop string begins in; a byte
+  piece reads as OpenAI shows one ("bytes:\\xc3"), and every text_offset lies in the text."""
+  args = dict(model=MODEL, prompt="ROMEO.", max_tokens=12, temperature=1.0, seed=3,
+              logprobs=1)
+  whole = client.completions.create(**args).choices[0]
+  # A stop string whose first occurrence is past the text's start.
+  cut = next(i for i in range(2, len(whole.text) - 1)
+             if whole.text.find(whole.text[i:i + 2]) == i)
+  r = client.completions.create(**args, stop=[whole.text[cut:cut + 2]])
+  c = r.choices[0]
+  assert c.text == whole.text[:cut] and c.finish_reason == "stop"
+  offsets, all_offsets = c.logprobs.text_offset, whole.logprobs.text_offset
+  assert r.usage.completion_tokens == len(c.logprobs.tokens) == len(offsets) >= 1
+  assert c.logprobs.tokens == whole.logprobs.tokens[:len(offsets)]
+  assert offsets == all_offsets[:len(offsets)]
+  # The last token begins before the stop string; the next one would not.
+  assert offsets[-1] < cut <= (all_offsets + [len(whole.text)])[len(offsets)]
+  echo = client.completions.create(model=MODEL, prompt="Ét\u00e9 \u2603", max_tokens=1,
+                                   temperature=0, logprobs=1, echo=True).choices[0]
+  pieces = echo.logprobs.tokens
+  assert any(t.startswith("bytes:\\x") for t in pieces), pieces
+  assert not any(t.startswith("<0x") for t in pieces)
+  assert echo.logprobs.text_offset == sorted(echo.logprobs.text_offset)
+  assert all(o <= len(echo.text) for o in echo.logprobs.text_offset), (echo.text, echo.logprobs)
+
+
 def test_n_echo_logprobs_and_usage(client, lm_run):
   from transformer_jax.workdir import Workdir
   tokenizer = Workdir(lm_run).tokenizers().tgt

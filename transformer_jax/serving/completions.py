@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 
@@ -271,7 +272,9 @@ class Service:
     self.tokenizer, self.max_len = completer.tokenizer, completer.max_len
     self.engine = Engine(LanguageSlots(completer.model, completer.params, slots, self.max_len,
                                        self.tokenizer.vocab_size, programs), limits.max_queue)
-    self._pieces = [p.replace("\u2581", " ") for p in self.tokenizer.pieces()]
+    # A byte piece (<0xC3>: part of a character the vocabulary lacks) as OpenAI shows one.
+    self._pieces = [f"bytes:\\x{p[3:5].lower()}" if re.fullmatch(r"<0x[0-9A-F]{2}>", p)
+                    else p.replace("\u2581", " ") for p in self.tokenizer.pieces()]
     self.created = int(time.time())
 
   def parse(self, body: bytes) -> Parsed:
@@ -387,7 +390,7 @@ class Choice:
     self.sent = 0  # Characters handed out.
     self.finish: str | None = None
     self.entries: list[tuple[int, float, list, list]] = []  # For logprobs.
-    self.sent_entries, self.offset = 0, 0  # Entries handed out, and their characters.
+    self.sent_entries = 0  # Entries handed out (a stream's logprobs).
 
   def add(self, positions, end: str | None) -> None:
     """Takes positions told by the engine (the prompt's, then new tokens')."""
@@ -404,8 +407,18 @@ class Choice:
       cut = _first_stop(self.text, self.request.stop)
       if cut is not None:
         self.text, self.finish = self.text[:cut], "stop"
+        # The tokens end with the one the stop string begins in (or before it, where it
+        # begins on a token's first character): none after is the choice's.
+        kept = next(k for k in range(len(self.ids) + 1)
+                    if len(self._decoded(self.ids[:k])) >= cut)
+        self.ids = self.ids[:kept]
+        del self.entries[len(self.prompt) - 1 + kept:]
       elif end is not None:
         self.finish = end
+
+  def _decoded(self, ids: list[int]) -> str:
+    """The text of ids, less a character whose bytes have not all come."""
+    return self.service.tokenizer.decode(ids).rstrip("\ufffd")
 
   def new_text(self) -> str:
     """The text not handed out yet that is sure to stay."""
@@ -432,20 +445,25 @@ class Choice:
     first = self.sent_entries if new_only else 0
     if not request.echo:
       first = max(first, len(self.prompt) - 1)
-    if not new_only:
-      self.offset = 0
     entries, self.sent_entries = self.entries[first:], len(self.entries)
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token, logprob, top_ids, top_lp in entries:
-      text = self.service.token_text(token)
-      tokens.append(text)
+    for j, (token, logprob, top_ids, top_lp) in enumerate(entries, first):
+      tokens.append(self.service.token_text(token))
       token_logprobs.append(logprob)
       tops.append({self.service.token_text(i): lp
                    for i, lp in zip(top_ids[:request.logprobs], top_lp)})
-      offsets.append(self.offset)
-      self.offset += len(text)
+      offsets.append(self._offset(j))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+  def _offset(self, j: int) -> int:
+    """Where entry j's token begins in the choice's text (the prompt's, with echo, then the
+    completion's), in characters: the length of the text of the tokens before it."""
+    read = len(self.prompt) - 1  # The prompt's tokens after <bos>.
+    if j < read:
+      return len(self._decoded(self.prompt[1:1 + j]))
+    echoed = len(self.request.texts[self.index // self.request.n]) if self.request.echo else 0
+    return echoed + min(len(self._decoded(self.ids[:j - read])), len(self.text))
 
 
 def _first_stop(text: str, stops) -> int | None:
