@@ -111,6 +111,9 @@ def test_a_workdir_of_another_model_is_refused():
   sorted_grad = fra_eng.get_config("smoke")  # Another embedding gradient: same parameters.
   sorted_grad.model.embed_grad = "sorted"
   check_same_model(config_lib.parse(fra_eng.get_config("smoke")), config_lib.parse(sorted_grad))
+  computed = fra_eng.get_config("smoke")  # How it is computed, and dropout: same parameters.
+  computed.model.update(remat="full", attention_impl="xla", dropout_rate=0.3)
+  check_same_model(config_lib.parse(fra_eng.get_config("smoke")), config_lib.parse(computed))
 
 
 def test_resuming_with_other_learning_rates_is_logged(tmp_path, caplog):

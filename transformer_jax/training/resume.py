@@ -35,9 +35,11 @@ def check_same_model(saved: config_lib.Config, cfg: config_lib.Config) -> None:
   """Raises ConfigError if a workdir's saved config describes another model (a resumed run
   must not restore, say, unscanned parameters into a scanned model)."""
   before, after = dataclasses.asdict(saved.model), dataclasses.asdict(cfg.model)
-  # How the embedding gradient is formed changes no parameter: a run may resume with another.
+  # How the embedding gradient, the attention and rematerialization are computed, and the
+  # dropout rate, change no parameter: a run may resume with others.
+  free = ("embed_grad", "remat", "attention_impl", "dropout_rate")
   changed = [(f"model.{k}", after[k], before[k]) for k in after
-             if before[k] != after[k] and k != "embed_grad"]
+             if before[k] != after[k] and k not in free]
   shaping = ("dataset", "tokenizer", "vocab_size")
   if cfg.model.positions == "learned":  # A row of parameters for each position.
     shaping += ("max_len",)
