@@ -388,3 +388,46 @@ def test_sigterm_with_streams_open_ends_each_then_exits_0(lm_run, tmp_path):
     texts.append("".join(c["choices"][0]["text"] for c in chunks))
   assert texts[0] == texts[1] == texts[2] and texts[0]
   assert process.wait(120) == 0, log.read_text()[-3000:]
+
+
+def test_when_the_shutdown_time_runs_out_every_request_is_answered_or_refused(lm_run,
+                                                                              tmp_path):
+  """One slot, 16 requests of n=48 and two streams queued, SIGTERM with --shutdown_timeout 2:
+  each request gets its whole answer or OpenAI's 503 with Retry-After (never a bare 500),
+  each stream ends with [DONE] (an error event before it where it was cut), and the server
+  exits 0."""
+  import threading
+  process, port, log = _serve(lm_run, tmp_path, "--slots=1", "--max_queue=1024",
+                              "--shutdown_timeout=2")
+  body = {"model": MODEL, "prompt": "ROMEO.", "max_tokens": 24, "temperature": 1.0, "n": 48}
+  answers = []
+
+  def ask(seed):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request("POST", "/v1/completions", body=json.dumps({**body, "seed": seed}),
+                       headers=JSON)
+    response = connection.getresponse()
+    answers.append((response.status, response.getheader("Retry-After"),
+                    json.loads(response.read())))
+
+  threads = [threading.Thread(target=ask, args=(seed,)) for seed in range(16)]
+  for thread in threads:
+    thread.start()
+  streams = [_open_stream(port, {**body, "n": 1, "seed": 99 + i}) for i in range(2)]
+  deadline = time.monotonic() + 60
+  while get(port, "/stats")[1]["queued"] < 100:
+    assert time.monotonic() < deadline
+  process.send_signal(15)
+  for thread in threads:
+    thread.join(120)
+  statuses = sorted(status for status, _, _ in answers)
+  assert len(answers) == 16 and set(statuses) <= {200, 503} and 503 in statuses, statuses
+  for status, retry, answer in answers:
+    if status == 503:
+      assert retry == "1" and answer["error"]["code"] == "shutting_down", answer
+    else:
+      assert len(answer["choices"]) == 48
+  for _, response in streams:
+    got = list(_events(response))
+    assert got[-1] == "[DONE]", got
+  assert process.wait(120) == 0, log.read_text()[-3000:]

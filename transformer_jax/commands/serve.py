@@ -169,9 +169,10 @@ def main(argv):
       app_ = _completions_app(FLAGS, slots, programs)
     else:
       app_ = _translation_app(FLAGS, config, beam_sizes, slots, programs)
+    give_up = getattr(app_.state, "before_shutdown_deadline", None)
     app_ = _guarded(app_, FLAGS, language)
     from transformer_jax.serving.protocol import with_head_timeout
-    server = uvicorn.Server(uvicorn.Config(
+    server = _server(give_up, FLAGS.shutdown_timeout, uvicorn.Config(
         app_, host=FLAGS.host, port=FLAGS.port, http=with_head_timeout(FLAGS.read_timeout),
         log_level="warning",
         access_log=False, lifespan="on", timeout_graceful_shutdown=FLAGS.shutdown_timeout,
@@ -185,6 +186,27 @@ def main(argv):
     std_logging.getLogger("uvicorn.error").addFilter(_QuietCancellation())
     server.run(sockets=[listening])
     logging.info("shut down")
+
+
+def _server(give_up, timeout: float, config):
+  """uvicorn's server; where the app has `give_up` (the completions engine's), it is called
+  shortly before `timeout` seconds after the first SIGTERM or SIGINT run out, so that the
+  requests still waiting are answered 503 and the streams end with [DONE] instead of being
+  cut off when uvicorn cancels them."""
+  import threading
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    timer = None
+
+    def handle_exit(self, sig, frame) -> None:
+      super().handle_exit(sig, frame)
+      if give_up is not None and self.timer is None:
+        self.timer = threading.Timer(max(0.8 * timeout, timeout - 2.0), give_up)
+        self.timer.daemon = True
+        self.timer.start()
+
+  return Server(config)
 
 
 def _guarded(app_, FLAGS, language: bool):

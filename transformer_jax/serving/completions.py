@@ -165,6 +165,18 @@ class Engine:
       self._stats.requests += 1
       self._wake.notify_all()
 
+  def give_up(self) -> None:
+    """Tells every running and queued sequence that the server is shutting down (its request
+    is then answered 503, its stream ends with an error and [DONE]), and stops decoding: what
+    a server does before its shutdown time runs out, so that no request is cut off unanswered."""
+    with self._wake:
+      for sequence in [*self._live.values(), *self._pending]:
+        sequence.tell([], "shutdown")
+      self._live.clear()
+      self._pending.clear()
+      self._stopping = True
+      self._wake.notify_all()
+
   def cancel(self, sequences: list[Sequence]) -> None:
     """Ends these sequences (a stop string met, a client gone): their slots free at the next
     look, those still queued never start."""
@@ -506,6 +518,10 @@ def create_app(service: Service) -> Starlette:
     index, positions, end = await events.get()
     if end == "error":
       raise Refused(f"the decoder stopped: {engine.error!r}", status=500, kind="server_error")
+    if end == "shutdown":
+      raise Refused("the server is shutting down; send the request again (to another "
+                    "replica)", status=503, kind="server_error", code="shutting_down",
+                    retry=True)
     choice = choices[index]
     if choice.finish is not None:
       return None, False
@@ -597,6 +613,9 @@ def create_app(service: Service) -> Starlette:
       if parsed.include_usage:
         yield event({**head(parsed, rid), "choices": [], "usage": usage(parsed, choices)})
       yield "data: [DONE]\n\n"
+    except Refused as e:  # The server shuts down (or its decoder stopped): said, then ended.
+      yield event(refusal(e.status, e.message, e.code))
+      yield "data: [DONE]\n\n"
     finally:
       engine.cancel(sequences)
 
@@ -639,7 +658,9 @@ def create_app(service: Service) -> Starlette:
                                 else "method_not_allowed"), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
 
-  return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                           Route("/v1/models", models), Route("/health", health),
-                           Route("/ready", ready), Route("/stats", stats)],
-                   exception_handlers={404: unknown, 405: unknown}, lifespan=lifespan)
+  app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                          Route("/v1/models", models), Route("/health", health),
+                          Route("/ready", ready), Route("/stats", stats)],
+                  exception_handlers={404: unknown, 405: unknown}, lifespan=lifespan)
+  app.state.before_shutdown_deadline = engine.give_up  # commands/serve.py calls it.
+  return app
