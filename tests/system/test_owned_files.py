@@ -225,7 +225,6 @@ def test_translate_on_a_full_disk_leaves_the_file_it_would_replace_as_it_was(run
 
 
 @pytest.mark.parametrize("command", [("export", "--to", "huggingface"),
-                                     ("export", "--to", "ctranslate2"),
                                      ("average", "--last", "2", "--output")])
 def test_what_export_and_average_write_follows_the_users_umask(trained, tmp_path, command):
   """Under umask 022 every folder they write is 0755 and every file 0644: another account

@@ -518,3 +518,9 @@ def test_train_py_without_a_config_resumes_only_a_run(tmp_path):
   assert not (tmp_path / "new").exists()
   assert _one_error_line(_run("train.py")) == (
       "error: --workdir is required (and --config, for a new run)")
+  # An override without --config: absl's "Unknown command line flag" before.
+  result = _run("train.py", "--workdir", str(tmp_path / "new"), "--config.run.num_steps=5")
+  assert _one_error_line(result) == (
+      "error: --config.run.num_steps: a config override needs --config (a run resumed with "
+      "--workdir alone takes its config.json whole): give the recipe's config file with the "
+      "override, e.g. --config configs/fra_eng.py")

@@ -77,6 +77,11 @@ def parse_flags(argv: list[str]) -> list[str]:
              argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
     if value is not None and not Path(value.partition(":")[0]).is_file():
       sys.exit(f"error: --config {value}: {value.partition(':')[0]} is not a file")
+  overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv):
+    sys.exit(f"error: {overrides[0]}: a config override needs --config (a run resumed with "
+             "--workdir alone takes its config.json whole): give the recipe's config file "
+             "with the override, e.g. --config configs/fra_eng.py")
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # config_flags raises KeyError, AttributeError, TypeError, ...
