@@ -64,11 +64,17 @@ def test_train_refuses_a_directory_that_is_not_a_run(trained, tmp_path, files, m
   assert _tree_digest(foreign) == before
 
 
-@pytest.mark.parametrize("kind", ["GPT2Config", "BertConfig", "MarianConfig"])
-def test_train_refuses_a_hugging_face_model_folder(trained, tmp_path, kind):
+def test_train_refuses_a_hugging_face_model_folder(trained, tmp_path):
   """Its config.json shares field names with ours (vocab_size): train.py once trained into it
-  and replaced that file, which `from_pretrained` then could not read."""
+  and replaced that file, which `from_pretrained` then could not read. GPT-2's through
+  train.py; BERT's and Marian's by the same check in this process."""
   import transformers
+  from transformer_jax.workdir import Workdir, WorkdirError
+  for other in ("BertConfig", "MarianConfig"):
+    getattr(transformers, other)(vocab_size=1000).save_pretrained(tmp_path / other)
+    with pytest.raises(WorkdirError, match="it is a Hugging Face model's config, model_type"):
+      Workdir(tmp_path / other).check_is_a_run()
+  kind = "GPT2Config"
   config, _ = trained
   folder = tmp_path / "hf"
   getattr(transformers, kind)(vocab_size=1000).save_pretrained(folder)
