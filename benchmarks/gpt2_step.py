@@ -178,7 +178,8 @@ def main():
     print(f"compiling the PyTorch peer ({kind}) ...", flush=True)
     entries[f"pytorch {kind}"], version, dev = peer(configs["ours"], batch, kind == "compiled")
     extra.update(torch=version, torch_device=dev)
-  for run in entries.values():  # Warm-up: compiles, autotunes, fills caches.
+  for name, run in entries.items():  # Warm-up: compiles, autotunes, fills caches.
+    print(f"warming up {name} ...", flush=True)
     run(2)
   times = {name: [] for name in entries}
   for _ in range(args.rounds):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU rows of benchmarks/README.md in one go, for one short lease of a GPU machine:
-#   bash benchmarks/run_gpu.sh OUT_DIR [PART]
+#   bash benchmarks/run_gpu.sh OUT_DIR [PART]        (DRY=1 ...: the same at toy sizes on a CPU)
 # On an image with jax + CUDA but not tfds, grain, clu or ml_collections, it first installs the
 # wheels in $WHEELS (default wheels/, made here by benchmarks/gpu_wheels.sh and carried along).
 # PART real (the default): the paper's base size on real text. The embedding-gradient tests on
@@ -36,10 +36,19 @@
 #         ours under the XLA flags of the GPU recipes; the base encoder-decoder queued back to
 #         back; the profile by bucket of the GPT-2-shape step. Needs no data; not run yet (its
 #         limits add to 14 min: expect about 7 on one H100 or H200).
+# DRY=1: any part on a CPU at toy sizes, so that the script cannot rot between GPU loans (the
+# test suite runs every part so: tests/system/test_run_gpu.py). Every command, flag and config
+# override is the GPU run's; only sizes change: each config at its `:smoke` size, each count
+# (steps, rounds, seconds, pairs, vocabulary, sentences) cut, the pytest steps collected
+# rather than run (the suite runs those tests itself), no nvidia-smi.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
 # that a part would overwrite, 99: no wheels).
 set -uo pipefail
+dry=${DRY:-0}
+n() { if [ "$dry" = 1 ]; then echo "$2"; else echo "$1"; fi; }  # n GPU_COUNT TOY_COUNT
+cfg() { echo "configs/$1.py$(n '' :smoke)"; }  # cfg NAME: the config file, toy-sized in a dry run
+
 out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|lm|lm_peer|mfu]}
 part=${2:-real}
 # The parts that train into OUT_DIR remove what they made there at the end (gigabytes of state
@@ -67,51 +76,65 @@ if ! $py -c "import grain, tensorflow_datasets, clu, ml_collections, sentencepie
 fi
 
 step() {  # step NAME SECONDS COMMAND...: runs one command under a time limit, logs its output.
-  local name=$1 limit=$2
+  local name=$1 limit=$2 start=$SECONDS
   shift 2
   echo "=== $name: $*"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
   local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
   [ "$rc" -eq 0 ] || { echo "=== $name FAILED (exit $rc)"; failures=$((failures + 1)); }
 }
 
-base=(--config configs/wmt14_base.py --steps 50)  # 96 rows x 256 tokens a side, bfloat16
-big=(--config configs/wmt14_big.py --steps 50)
+gpu_info() {
+  if [ "$dry" = 1 ]; then echo "dry run: toy sizes on $(uname -m)"; else
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; fi
+}
+pytest=($py -m pytest -q -p no:cacheprovider $(n '' --collect-only))
+
+# 96 rows x 256 tokens a side, bfloat16, on uniform random ids: WMT14 cannot be downloaded from a
+# machine without internet (parts real and train time real-like text, a synthetic corpus).
+matmul=(--matmul_n "$(n 8192 256)")  # train_step.py's reference matrix product
+base=(--config "$(cfg wmt14_base)" --steps "$(n 50 2)" --batches random "${matmul[@]}")
+big=(--config "$(cfg wmt14_big)" --steps "$(n 50 2)" --batches random "${matmul[@]}")
 if [ "$part" = real ]; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  gpu_info
   $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
           'optax', optax.__version__, jax.devices())"
-  step embedding_tests 300 $py -m pytest -q -p no:cacheprovider tests/unit/test_embedding.py
+  step embedding_tests 300 "${pytest[@]}" tests/unit/test_embedding.py
   corpus=$out/synth300k
-  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs 300000
+  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs "$(n 300000 5000)"
   data=(--data_dir "$corpus" --tfds_dir "$corpus/tfds")
-  step token_ids 600 $py benchmarks/token_ids.py --config configs/synthetic.py "${data[@]}" \
+  step token_ids 600 $py benchmarks/token_ids.py --config "$(cfg synthetic)" "${data[@]}" \
       --variant model.embed_grad=scatter --variant model.embed_grad=sorted \
       --variant model.embed_grad=onehot --json "$out/token_ids.json"
 elif [ "$part" = train ]; then
   corpus=$out/synth300k
-  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs 300000
-  step train_base 600 $py train.py --config configs/synthetic.py --workdir "$out/train_base" \
+  step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs "$(n 300000 5000)"
+  step train_base 600 $py train.py --config "$(cfg synthetic)" --workdir "$out/train_base" \
       --config.data.data_dir "$corpus" --config.data.tfds_dir "$corpus/tfds" \
-      --config.run.num_steps=300 --config.run.log_every=50 --config.eval.every=100000 \
+      --config.run.num_steps="$(n 300 4)" --config.run.log_every=50 --config.eval.every=100000 \
       --config.eval.bleu_sentences=0 --config.run.checkpoint_every=100000
   cp "$out/train_base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null
   for grad in sorted scatter onehot; do
-    step "train_step_$grad" 400 $py benchmarks/train_step.py --config configs/synthetic.py \
-        --data_dir "$corpus" --tfds_dir "$corpus/tfds" --batches packed,random --steps 50 \
-        --set model.embed_grad=$grad --json "$out/train_step_$grad.json"
+    step "train_step_$grad" 400 $py benchmarks/train_step.py --config "$(cfg synthetic)" \
+        --data_dir "$corpus" --tfds_dir "$corpus/tfds" --batches packed,random --steps "$(n 50 2)" \
+        --set model.embed_grad=$grad "${matmul[@]}" --json "$out/train_step_$grad.json"
   done
 elif [ "$part" = 1 ]; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  gpu_info
   $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
           'optax', optax.__version__, jax.devices())"
-  step tests 240 $py -m pytest -q -p no:cacheprovider tests/unit/test_model.py tests/unit/test_decode.py
+  step tests 240 "${pytest[@]}" tests/unit/test_model.py tests/unit/test_decode.py
   step base_cudnn 200 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_cudnn.json"
   step big_cudnn 200 $py benchmarks/train_step.py "${big[@]}" --json "$out/big_cudnn.json"
 elif [ "$part" = decode ]; then
   data=${DATA:-data}
   tatoeba=$data/en-fr-test/tatoeba-test-v2021-08-07.disjoint-from-fra-eng
-  step train_fra_eng 900 $py train.py --config configs/fra_eng.py --workdir "$out/fra_eng" \
+  if [ "$dry" = 1 ]; then  # The first 32 sentences.
+    for side in eng fra; do head -n 32 "$tatoeba.$side" > "$out/tatoeba32.$side"; done
+    tatoeba=$out/tatoeba32
+  fi
+  step train_fra_eng 900 $py train.py --config "$(cfg fra_eng)" --workdir "$out/fra_eng" \
       --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
   # BEAM:SLOTS pairs, in order; each translates the file twice (the second with a filled cache).
   for pair in ${DECODE_RUNS:-4:auto 1:auto}; do
@@ -125,28 +148,29 @@ elif [ "$part" = decode ]; then
   done
 elif [ "$part" = lm ]; then
   data=${DATA:-data}
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  step lm_tests 200 $py -m pytest -q -p no:cacheprovider tests/unit/test_language_model.py
-  step lm_train 380 $py train.py --config configs/lm_gpt2_small.py --workdir "$out/lm_gpt2_small" \
+  lm_steps=$(n 300 4)
+  gpu_info
+  step lm_tests 200 "${pytest[@]}" tests/unit/test_language_model.py
+  step lm_train 380 $py train.py --config "$(cfg lm_gpt2_small)" --workdir "$out/lm_gpt2_small" \
       --config.data.dataset=shakespeare --config.data.data_dir "$data/shakespeare" \
-      --config.data.tfds_dir "$out/tfds" --config.data.vocab_size=16384 \
-      --config.run.num_steps=300 --config.run.log_every=50 --config.eval.every=300 \
-      --config.run.checkpoint_every=300 --config.optimizer.warmup_steps=100
+      --config.data.tfds_dir "$out/tfds" --config.data.vocab_size="$(n 16384 500)" \
+      --config.run.num_steps="$lm_steps" --config.run.log_every=50 --config.eval.every="$lm_steps" \
+      --config.run.checkpoint_every="$lm_steps" --config.optimizer.warmup_steps=100
   cp "$out/lm_gpt2_small/metrics.jsonl" "$out/lm_gpt2_small_metrics.jsonl" 2>/dev/null
   rm -rf "$out/lm_gpt2_small/checkpoints" "$out/tfds"  # 1.5 GB of state: not brought back.
 elif [ "$part" = lm_peer ]; then
   data=${DATA:-data}
   step lm_vs_pytorch 580 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py benchmarks/lm_vs_pytorch.py \
-      --config configs/lm_gpt2_small.py --set data.dataset=shakespeare \
+      --config "$(cfg lm_gpt2_small)" --set data.dataset=shakespeare \
       --set "data.data_dir=$data/shakespeare" --set "data.tfds_dir=$out/tfds" \
-      --set data.vocab_size=16384 --set run.num_steps=100000 --seconds 120 \
+      --set data.vocab_size="$(n 16384 500)" --set run.num_steps=100000 --seconds "$(n 120 5)" \
       --json "$out/lm_vs_pytorch.json"
   rm -rf "$out/tfds"
 elif [ "$part" = mfu ]; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  gpu_info
   $py -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())"
   lengths=model.attention_mask=lengths,data.packing=False
-  step gpt2_vs_pytorch 400 $py benchmarks/gpt2_step.py --peers compiled --rounds 5 --steps 10 \
+  step gpt2_vs_pytorch 400 $py benchmarks/gpt2_step.py --peers compiled --rounds "$(n 5 1)" --steps "$(n 10 1)" \
       --variant model.remat=none --variant $lengths --variant $lengths,model.remat=none \
       --variant $lengths,model.remat=none,model.scan_layers=False \
       --json "$out/gpt2_vs_pytorch.json"
@@ -154,29 +178,28 @@ elif [ "$part" = mfu ]; then
   # process of their own: compare its "ours" with the run above.
   step gpt2_xla_flags 150 env XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true \
       --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=" \
-      $py benchmarks/gpt2_step.py --peers none --rounds 5 --steps 10 \
+      $py benchmarks/gpt2_step.py --peers none --rounds "$(n 5 1)" --steps "$(n 10 1)" \
       --variant $lengths,model.remat=none --json "$out/gpt2_xla_flags.json"
-  step base_step 150 $py benchmarks/train_step.py "${base[@]}" --batches random \
-      --json "$out/base_step.json"
-  step gpt2_profile 120 $py benchmarks/profile_step.py --config configs/lm_gpt2_small.py \
+  step base_step 150 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_step.json"
+  step gpt2_profile 120 $py benchmarks/profile_step.py --config "$(cfg lm_gpt2_small)" \
       --steps 3 --top 25 --json "$out/gpt2_profile.json"
 elif [ "$part" = 3 ]; then
   for size in base big; do
-    step "variants_$size" 300 $py benchmarks/step_variants.py --config "configs/wmt14_$size.py" \
-        --steps 20 --variant step.loss_chunks=1 --variant step.loss_chunks=4 \
+    step "variants_$size" 300 $py benchmarks/step_variants.py --config "$(cfg wmt14_$size)" \
+        --steps "$(n 20 2)" --variant step.loss_chunks=1 --variant step.loss_chunks=4 \
         --variant step.loss_chunks=8 --variant step.grad_accum_steps=4 \
         --variant step.grad_accum_steps=4,step.loss_chunks=4 \
         --json "$out/variants_$size.json"
   done
   step compare_compile 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      $py benchmarks/compare_pytorch.py --config configs/wmt14_base.py --compile \
+      $py benchmarks/compare_pytorch.py --config "$(cfg wmt14_base)" --compile \
       --json "$out/compare_compile.json"
   for chunks in 1 4; do
-    step "profile_chunks$chunks" 200 $py benchmarks/profile_step.py --config configs/wmt14_base.py \
+    step "profile_chunks$chunks" 200 $py benchmarks/profile_step.py --config "$(cfg wmt14_base)" \
         --set step.loss_chunks=$chunks
   done
 else
-  step cudnn_test 120 $py -m pytest -q -s -p no:cacheprovider tests/unit/test_model.py -k cudnn
+  step cudnn_test 120 "${pytest[@]}" -s tests/unit/test_model.py -k cudnn
   step base_cudnn_rbg 150 env JAX_DEFAULT_PRNG_IMPL=unsafe_rbg $py benchmarks/train_step.py \
       "${base[@]}" --json "$out/base_cudnn_rbg.json"
   step base_xla 150 $py benchmarks/train_step.py "${base[@]}" --set model.attention_impl=xla \
@@ -185,8 +208,8 @@ else
       --json "$out/big_xla.json"
   # Both frameworks share the card: JAX allocates as it goes instead of taking 75% up front.
   step compare_base 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py benchmarks/compare_pytorch.py \
-      --config configs/wmt14_base.py --json "$out/compare_base.json"
-  step decode 120 $py benchmarks/decode.py --config configs/fra_eng.py --out_len 64 \
+      --config "$(cfg wmt14_base)" --json "$out/compare_base.json"
+  step decode 120 $py benchmarks/decode.py --config "$(cfg fra_eng)" --out_len 64 \
       --json "$out/decode.json"
 fi
 echo "=== failures: $failures"

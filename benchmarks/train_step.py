@@ -184,6 +184,8 @@ def main():
                       "(default: the config's data.tfds_dir)")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="config override, e.g. --set model.scan_layers=True")
+  parser.add_argument("--matmul_n", type=int, default=0, help="the size of the reference "
+                      "matrix product (default: 4096 on a CPU, 8192 on an accelerator)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   names = ["packed", "padded"] if args.real_data else [
@@ -199,7 +201,7 @@ def main():
   rows = config.data.batch_size
   dtype = jnp.dtype(config.model.dtype)
   device = jax.devices()[0]
-  matmul, matmul_n = matmul_rate(dtype)
+  matmul, matmul_n = matmul_rate(dtype, args.matmul_n or None)
   peak = peak_flops(device.device_kind)
   if args.data_dir is not None:
     config.data.data_dir = args.data_dir

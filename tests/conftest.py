@@ -57,6 +57,17 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: a file's own order.
 
 
+def pytest_terminal_summary(terminalreporter):
+  """Each reason tests were skipped for, in one line that names them (with xdist too, where
+  the workers' reports reach this process)."""
+  by_reason: dict[str, list[str]] = {}
+  for report in terminalreporter.stats.get("skipped", []):
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    by_reason.setdefault(reason.removeprefix("Skipped: "), []).append(report.nodeid)
+  for reason, tests in by_reason.items():
+    terminalreporter.write_line(f"skipped {len(tests)} ({', '.join(tests)}): {reason}")
+
+
 def pytest_unconfigure(config):
   if config.stash.get(_MADE_CACHE, False):
     shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)

@@ -55,6 +55,14 @@ def moved_copy(workdir: Path, tmp_path: Path) -> tuple[Path, Path]:
   return copy, elsewhere
 
 
+def sigint_at_its_default() -> None:
+  """A Popen `preexec_fn`: the child takes Ctrl-C as from a terminal. A test run started in the
+  background of a shell (`.ci/run &`, nohup) has SIGINT ignored, which children inherit and
+  which the product then leaves ignored (errors.note_interrupts): a Ctrl-C test's signal would
+  be dropped."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(command: list[str]) -> str:
   """Runs `command` to its end (exit status 0); its stdout and stderr."""
   proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -14,6 +14,7 @@ import pytest
 from transformer_jax import config as config_lib
 from transformer_jax.training import steps as step_lib, trainer
 from transformer_jax.workdir import WorkdirError
+from tests import runs
 from tests.conftest import DATA, ROOT
 from transformer_jax.data import builders
 from transformer_jax.data.builders import DatasetError
@@ -252,7 +253,7 @@ def test_ctrl_c_during_a_download_exits_at_once_and_leaves_nothing(tmp_path):
        "--workdir", str(tmp_path / "w"), "--config.data.data_dir=",
        f"--config.data.tfds_dir={tfds}"],
       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+      stderr=subprocess.PIPE, text=True, preexec_fn=runs.sigint_at_its_default)
   try:
     assert asked.wait(120), "the download never started"
     time.sleep(1)  # Some bytes written into tfds's temporary file.

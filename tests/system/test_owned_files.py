@@ -169,12 +169,13 @@ def test_ctrl_c_during_export_exits_130_and_writes_nothing(run_copy):
   import signal
   import subprocess
   import sys
+  from tests import runs
   from tests.conftest import ROOT
   out = run_copy.parent / "exported"
   process = subprocess.Popen(
       [sys.executable, "-m", "transformer_jax", "export", "--workdir", str(run_copy), "--to",
        "jax", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), preexec_fn=runs.sigint_at_its_default)
   seen = []
   for line in process.stderr:
     seen.append(line)

@@ -170,11 +170,8 @@ def test_ctrl_c_while_the_dataset_is_prepared_exits_130_and_the_next_run_goes_on
              "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
              f"--config.data.tfds_dir={tfds}", f"--config.run.compilation_cache_dir={cache_dir}",
              "--config.data.num_workers=0", "--config.eval.bleu_sentences=0"]
-  # As from a terminal: SIGINT at its default, whatever this test process (a pytest-xdist
-  # worker may run with SIGINT ignored, which a child would inherit) does with it.
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                          text=True, preexec_fn=runs.sigint_at_its_default)
   seen = []
   for line in proc.stdout:
     seen.append(line)
@@ -202,8 +199,7 @@ def _interrupt_at(command: list[str], seconds: float) -> tuple[int | None, str, 
   after it started: (exit status, its output, whether the training loop had been reached
   when the signal went). None for the status where it ended before the signal."""
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                          text=True, preexec_fn=runs.sigint_at_its_default)
   lines: list[str] = []
   reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
   reader.start()
@@ -283,6 +279,9 @@ def test_a_ctrl_c_that_library_code_swallowed_still_stops_training(smoke_config,
 
   monkeypatch.setattr(pipeline, "prepare", swallowing)
   previous = signal.getsignal(signal.SIGINT)
+  # As from a terminal: this process may have started with SIGINT ignored (a background test
+  # run), which note_interrupts leaves so.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   errors.note_interrupts()
   try:
     with pytest.raises(KeyboardInterrupt):
