@@ -22,6 +22,8 @@ def get_config(arg=None):
   path = (arg or "").removesuffix(",smoke")
   check(bool(path), "configs/huggingface_shakespeare.py needs the checkpoint's directory: "
         "configs/huggingface_shakespeare.py:CHECKPOINT")
+  check(path != "smoke", "configs/huggingface_shakespeare.py:smoke names no checkpoint: its "
+        "smoke run is configs/huggingface_shakespeare.py:CHECKPOINT,smoke")
   try:
     checkpoint = Checkpoint.open(path)
   except CheckpointError as e:  # Moved or deleted since a run started from it, maybe.

@@ -178,6 +178,8 @@ def test_a_seed_gives_the_same_text_under_concurrent_load(client):
 
 @pytest.mark.parametrize("body, status, param, message", [
     (b'{"model": "lm_run", "prompt": ', 400, None, "the request body is not valid JSON"),
+    (b'{"model": "lm_run", "prompt": "ROMEO.", "max_tokens": ' + b"9" * 5000 + b"}", 400, None,
+     "a number in the request body has 5,000 digits; no field takes more than 100"),
     ({"model": "lm_run", "prompt": "word " * 60}, 400, "prompt",
      r"prompt 0 has \d+ tokens and max_tokens is 16: the model holds 32 positions"),
     ({"model": "lm_run", "prompt": "ROMEO.", "max_tokens": 0}, 400, "max_tokens",

@@ -26,6 +26,16 @@ def test_every_config_validates(name, arg):
   assert model.tgt_vocab_size == 1024  # Padded to a multiple of 128.
 
 
+@pytest.mark.parametrize("arg, message", [
+    (None, "needs the checkpoint's directory: configs/huggingface_shakespeare.py:CHECKPOINT"),
+    ("smoke", "configs/huggingface_shakespeare.py:smoke names no checkpoint: its smoke run is "
+     "configs/huggingface_shakespeare.py:CHECKPOINT,smoke")])
+def test_the_hugging_face_config_without_a_checkpoint_says_how_to_name_one(arg, message):
+  from configs import huggingface_shakespeare
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+    huggingface_shakespeare.get_config(arg)
+
+
 def test_d2l_tiny_has_the_chapters_settings():
   from configs import d2l_tiny
   c = d2l_tiny.get_config()

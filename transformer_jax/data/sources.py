@@ -158,7 +158,14 @@ class TextPairs:
     self.keys = (("text",) if spec.documents else ("text", "label") if spec.labelled
                  else (spec.src_lang, spec.tgt_lang))
     self.split = split
-    try:  # An unknown split name, or a slice of no records ("validation[:0]").
+    try:  # A slice of no records ("train[:0]"): array_record's own words otherwise.
+      empty = builder.info.splits[split].num_examples == 0
+    except (KeyError, ValueError):
+      empty = False  # An unknown split: named below.
+    if empty:
+      raise builders.DatasetError(f"split {split!r} of {name} holds no "
+                                  f"{'documents' if spec.documents else 'pairs'}")
+    try:  # An unknown split name.
       self._records = builder.as_data_source(
           split, deserialize_method=decode.DeserializeMethod.RAW_BYTES)
     except ValueError as e:
