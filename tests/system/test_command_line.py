@@ -57,7 +57,7 @@ main()
                           text=True, timeout=120)
   assert _one_error_line(result) == (
       "error: serve needs the serve extra (uvicorn is not installed): pip install "
-      "'transformer_jax[serve]'")
+      "'.[serve]' in the project's folder")
 
 
 def test_two_servers_started_together_one_serves_one_says_why_not(trained, tmp_path):

@@ -146,7 +146,7 @@ def main(argv):
       import starlette  # noqa: F401
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
-                       "'transformer_jax[serve]'") from None
+                       "'.[serve]' in the project's folder") from None
     from transformer_jax.programs import ProgramStore
     from transformer_jax.workdir import Workdir
     for workdir in FLAGS.workdir:

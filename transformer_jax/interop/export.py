@@ -70,7 +70,8 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
                       f"{run.load_config().model.family!r}): --to {to} exports translation "
                       "models; export this one with --to huggingface")
   if to == "ctranslate2" and importlib.util.find_spec("ctranslate2") is None:
-    raise ExportError("--to ctranslate2 needs CTranslate2: pip install 'transformer_jax[export]'")
+    raise ExportError("--to ctranslate2 needs CTranslate2: pip install "
+                      "'.[export]' in the project's folder")
   translator = Translator(workdir, step, ema=True)
   if not isinstance(translator.tokenizers.src, SentencePiece):
     raise ExportError(f"{workdir} uses word vocabularies; export needs a SentencePiece workdir")

@@ -43,7 +43,7 @@ text only, as `fill` does; its logits at every other id are ours.
 A run that started from a Hugging Face checkpoint (data.tokenizer='huggingface') goes back in
 that checkpoint's ids with its own tokenizer.json (`_in_checkpoint_ids`).
 
-Written with NumPy, safetensors and tokenizers only (pip install 'transformer_jax[huggingface]');
+Written with NumPy, safetensors and tokenizers only (pip install '.[huggingface]');
 loading the result takes `transformers` (in that extra) and torch.
 
 Import (`run.init_from` naming a checkpoint):
