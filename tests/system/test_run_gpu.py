@@ -28,9 +28,13 @@ def test_the_usage_line_names_every_part_the_script_runs():
 
 
 @pytest.mark.parametrize("part", _parts())
-def test_every_part_runs_on_a_cpu_at_toy_sizes(part, tmp_path):
+def test_every_part_runs_on_a_cpu_at_toy_sizes(part, tmp_path, cache_dir):
   out = tmp_path / "out"
-  env = dict(os.environ, DRY="1", PYTHON=sys.executable, DATA=str(DATA), JAX_PLATFORMS="cpu")
+  # The run's compilation cache: a program that two steps (or other tests) compile, once.
+  env = dict(os.environ, DRY="1", PYTHON=sys.executable, DATA=str(DATA), JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   result = subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
   log = result.stdout + result.stderr
