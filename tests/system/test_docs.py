@@ -1,6 +1,8 @@
 """The README and docs/: short where they should be, about the project only, and every command
 in them one that runs as written."""
 
+import functools
+import json
 import os
 import re
 import shlex
@@ -70,16 +72,24 @@ ALL_COMMANDS = [(path.relative_to(ROOT).as_posix(), c)
                 + (table_commands(path.read_text()) if path == ROOT / "docs" / "results.md" else [])]
 
 
+@functools.cache
+def _script_help(script: str) -> str:
+  """A benchmark script's --help (argparse), once a run."""
+  result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  return result.stdout
+
+
 def _required_flags(argv: list[str]) -> list[str]:
   """The flags a command cannot run without: an argparse script's (its usage line's flags
   outside brackets), or what a command's module says `is required` / `are required`."""
   if argv[1].startswith("benchmarks/"):
-    usage = subprocess.run(argv[:2] + ["--help"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120).stdout.split("\n\n")[0]
+    usage = _script_help(argv[1]).split("\n\n")[0]
     while re.search(r"\[[^\[\]]*\]", usage):
       usage = re.sub(r"\[[^\[\]]*\]", "", usage)
     return re.findall(r"--\w+", usage)
-  name = "train" if argv[1] == "train.py" else argv[3]
+  name = _command_name(argv)
   if name == "aot" and {"--install_plugins", "--install_cudnn"} & set(argv):
     return []  # Installing the compilers needs no config.
   source = (ROOT / "transformer_jax" / "commands" / f"{name}.py").read_text()
@@ -87,119 +97,52 @@ def _required_flags(argv: list[str]) -> list[str]:
           for flag in re.findall(r"--\w+", said)]
 
 
-@pytest.mark.quick
-def test_the_readme_is_for_users():
-  lines = (ROOT / "README.md").read_text().splitlines()
-  assert len(lines) <= 150
-  assert lines[0] == "# transformer_jax"
-  for heading in ("## The two commands", "## Headline results", "## Commands", "## Layout"):
-    assert heading in lines
+def _command_name(argv: list[str]) -> str:
+  return "train" if argv[1] == "train.py" else argv[3]
 
 
-RECORDS = ROOT / "docs" / "results.md"  # The one page of measurements.
-RESULTS = ROOT / "benchmarks" / "results"
+def _flags_of(argv: list[str]) -> list[str]:
+  """The command's own argv: its flags and arguments, after its program name."""
+  return argv[2:] if argv[1] == "train.py" else argv[4:]
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("path", [p for p in DOCS if p != RECORDS],
-                         ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_a_reference_is_short_and_names_no_commit(path):
-  """A reference says how to use one part: at most 300 lines, no commit hashes (the records,
-  with what was run at which version, are docs/results.md and the JSON it links)."""
-  lines = path.read_text().splitlines()
-  assert len(lines) <= 300
-  assert not _lines_matching(path, re.compile(r"\b[0-9a-f]{7,40}\b")), "a commit-like hash"
+PARSED = [_runnable(c) for _, c in ALL_COMMANDS if _runnable(c)]
 
 
-def _cited_results() -> set[str]:
-  cited = set()
-  for path in DOCS:
-    cited |= set(re.findall(r"benchmarks/results/[\w./-]*\w", path.read_text()))
-  return cited
+@functools.cache
+def _parsed(name: str) -> tuple[list[str], dict[tuple[str, ...], str | None]]:
+  """(the flags `name` defines, each documented argv of it -> its parse error or None), every
+  documented command line of `name` parsed in one process (tests/parse_commands.py)."""
+  argvs = [_flags_of(a) for a in PARSED
+           if not a[1].startswith("benchmarks/") and _command_name(a) == name]
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "parse_commands.py"), name],
+                          input=json.dumps([[name, *a] for a in argvs]), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  answer = json.loads(result.stdout)
+  return answer["flags"], dict(zip(map(tuple, argvs), answer["errors"]))
 
 
 @pytest.mark.quick
-def test_every_kept_result_is_cited_and_every_cited_one_kept():
-  kept = {p.relative_to(ROOT).as_posix() for p in RESULTS.rglob("*") if p.is_file()}
-  cited = _cited_results()
-  assert len(kept) > 20
-  assert sorted(kept - cited) == [], "kept, cited by no doc"
-  assert sorted(c for c in cited if not (ROOT / c).exists()) == [], "cited, not kept"
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_docs_name_no_machine_paths_sittings_or_issues(path):
-  bad = _lines_matching(path, NOT_ABOUT_THE_PROJECT)
-  assert not bad, "\n".join(bad)
-
-
-def _lines_matching(path, pattern) -> list[str]:
-  return [f"{path.name}:{n}: {line.strip()}"
-          for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
-
-
-# A lab notebook's wording: when or how something happened to be run, not what it measured.
-JOURNAL = re.compile(r"\blent (for|once)\b|available then|\bslow(er)? day\b|\b(to|yester)day\b|"
-                     r"this morning|\bscratch\b(?! size)", re.I)
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_docs_read_as_records_not_a_journal(path):
-  bad = _lines_matching(path, JOURNAL)
-  assert not bad, "\n".join(bad)
-
-
-@pytest.mark.quick
-def test_the_journal_pattern_catches_what_it_should():
-  for text in ("an H100 lent for one day", "the compute available then", "on a slow day",
-               "five runs today", "a scratch timing", "In scratch checks"):
-    assert JOURNAL.search(text), text
-  assert not JOURNAL.search("XLA asks the CUDA runtime for its scratch size on 2026-11-22")
-
-
-@pytest.mark.quick
-def test_the_pattern_catches_what_it_should():
-  for text in ("see /work/main/runs", "in the fifth session", "one sitting", "issue 12", "#12"):
-    assert NOT_ABOUT_THE_PROJECT.search(text), text
-  assert not NOT_ABOUT_THE_PROJECT.search("runs/fra_eng on 2026-11-23, 2-core CPU")
-
-
-@pytest.mark.quick
-def test_every_doc_links_and_commands_were_found():
-  assert len(ALL_COMMANDS) > 25
-  readme = (ROOT / "README.md").read_text()
-  for link in re.findall(r"\]\(([^)#]+)\)", readme):
-    assert (ROOT / link).exists(), link
-
-
 @pytest.mark.parametrize("where,command", [c for c in ALL_COMMANDS if _runnable(c[1])])
 def test_every_documented_command_parses(where, command):
   """Each command's flags, config file, config variant and overrides are read as the command
-  would read them (absl: --helpshort after them all stops it there; argparse: each flag given is
-  one the script knows), with nothing run."""
+  would read them (absl, with the command's own parser; argparse: each flag given is one the
+  script knows), with nothing run."""
   argv = _runnable(command)
   given = {a.split("=")[0] for a in argv[2:] if a.startswith("--")}
   missing = [f for f in _required_flags(argv) if f not in given]
   assert not missing, f"{where}: {command} lacks {', '.join(missing)}"
   if argv[1].startswith("benchmarks/"):
-    result = subprocess.run(argv[:2] + ["--help"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
     for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
-      assert flag in result.stdout, f"{where}: {flag} is not a flag of {argv[1]}"
+      assert flag in _script_help(argv[1]), f"{where}: {flag} is not a flag of {argv[1]}"
     return
-  # --helpfull after the others: absl reads the config file, its variant and every override
-  # first (a bad one is an error line), then lists every flag the command defines.
-  result = subprocess.run(argv + ["--helpfull"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-  output = result.stdout + result.stderr
-  assert not re.search(r"^error|FATAL", output, re.M), f"{where}: {output[-2000:]}"
+  defined, errors = _parsed(_command_name(argv))
+  assert errors[tuple(_flags_of(argv))] is None, f"{where}: {errors[tuple(_flags_of(argv))]}"
   for flag in (a.split("=")[0][2:] for a in argv[2:] if a.startswith("--")):
-    if not flag.startswith("config."):  # --noX is a boolean flag's, listed as --[no]X.
-      assert re.search(rf"--(\[no\])?{flag}:", output) or re.search(
-          rf"--\[no\]{flag[2:]}:", output) and flag.startswith("no"), f"{where}: no flag --{flag}"
+    if not flag.startswith("config."):  # --noX is a boolean flag's.
+      assert flag in defined or flag.startswith("no") and flag[2:] in defined, (
+          f"{where}: no flag --{flag}")
 
 
 @pytest.fixture(scope="module")
