@@ -52,6 +52,22 @@ def post(connection: http.client.HTTPConnection, body: dict | bytes,
   return response.status, json.loads(response.read() or b"{}"), dict(response.getheaders())
 
 
+def metrics(port: int) -> dict[tuple[str, tuple], float]:
+  """GET /metrics, read by Prometheus' own parser: {(sample name, sorted labels): value}."""
+  from prometheus_client.parser import text_string_to_metric_families
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  try:
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    text = response.read().decode()
+  finally:
+    connection.close()
+  if response.status != 200 or not response.getheader("Content-Type", "").startswith("text/plain"):
+    raise RuntimeError(f"GET /metrics answered {response.status}: {text[:200]}")
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def get(port: int, path: str) -> tuple[int, dict]:
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
   try:

@@ -44,7 +44,7 @@ def pytest_configure(config):
 # hands each worker whole files (--dist loadfile) in the collection's order, kept as it is
 # below: the long files go out first and the last ones handed out are short, so the two workers
 # end together (xdist's own order, by number of tests, left one idle for a minute at the end).
-LONGEST_FIRST = ("test_aot.py", "test_serve.py", "test_slots.py", "test_multihost.py",
+LONGEST_FIRST = ("test_run_gpu.py", "test_aot.py", "test_serve.py", "test_slots.py", "test_multihost.py",
                  "test_translate.py", "test_reliability.py", "test_benchmarks.py",
                  "test_docs.py", "test_translator.py", "test_encoder_only.py", "test_sharding.py",
                  "test_lm_training.py", "test_model.py", "test_export.py",

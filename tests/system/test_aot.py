@@ -325,14 +325,14 @@ LM_FLOP_CHECK = ["--config.model.embed_grad=scatter", "--config.model.scan_layer
 
 
 @pytest.mark.parametrize("topology, extra", [
-    ("v5e:2x4", [*LM_FLOP_CHECK, "--config.model.num_decoder_layers=4"]),
+    ("v5e:2x4", [*LM_FLOP_CHECK, "--config.model.num_decoder_layers=2"]),
     ("h100:8", ["--config.model.attention_impl=xla"])])
 def test_the_124m_language_model_compiles_with_the_formulas_flops(plugins, tmp_path, topology,
                                                                    extra):
   """configs/lm_gpt2_small.py (64 rows x 1,024 tokens, 50,304-piece vocabulary): whole (12
-  layers) on the GPU target, its train step fits; on the TPU, with 4 of its layers unrolled
-  (each compiled apart: 12 took a minute), XLA's FLOP count is the decoder-only formula's
-  within 10%. XLA gives no count for a GPU target."""
+  layers) on the GPU target, its train step fits; on the TPU, with 2 of its layers unrolled
+  (each compiled apart: 12 took a minute, 4 half of that), XLA's FLOP count is the
+  decoder-only formula's within 10%. XLA gives no count for a GPU target."""
   result, report = _aot(plugins, "--topology", topology, "--programs", "train", *extra,
                         config="configs/lm_gpt2_small.py", json_path=tmp_path / "lm.json")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -340,7 +340,7 @@ def test_the_124m_language_model_compiles_with_the_formulas_flops(plugins, tmp_p
   assert report["vocab_size"] == 50_257
   train = report["programs"]["train"]
   params = report["params_bytes_per_device"] * report["mesh"]["fsdp"] * report["mesh"]["tensor"]
-  layers = 4 if topology.startswith("v5e") else 12  # 7.1M parameters a layer.
+  layers = 2 if topology.startswith("v5e") else 12  # 7.1M parameters a layer.
   assert 120e6 - (12 - layers) * 7.09e6 < params / 4 < 130e6 - (12 - layers) * 7.09e6
   if topology.startswith("v5e"):
     assert 0.9 <= train["xla_over_analytic"] <= 1.1, train

@@ -14,7 +14,7 @@ import openai
 import portpicker
 import pytest
 
-from benchmarks.serve_load import get, start_server, stop_server, wait_ready
+from benchmarks.serve_load import get, metrics, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
 
 PROMPTS = ["ROMEO.", "To be, or not", "JULIET.\nO"]
@@ -433,3 +433,32 @@ def test_when_the_shutdown_time_runs_out_every_request_is_answered_or_refused(lm
     got = list(_events(response))
     assert got[-1] == "[DONE]", got
   assert process.wait(120) == 0, log.read_text()[-3000:]
+
+
+def test_metrics_count_the_requests_and_tokens_the_clients_saw(server, client):
+  """Streaming and whole requests at once, then /metrics: its request and token counts moved
+  by what the clients counted (usage), and each stream's first event was timed."""
+  before = metrics(server)
+  asks = [dict(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=8 + i, temperature=1.0, seed=i,
+               n=1 + i % 2, stream=i % 2 == 0) for i in range(8)]
+
+  def tokens(ask) -> int:
+    if not ask["stream"]:
+      return client.completions.create(**ask).usage.completion_tokens
+    chunks = list(client.completions.create(**ask, stream_options={"include_usage": True}))
+    return chunks[-1].usage.completion_tokens
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    counted = sum(pool.map(tokens, asks))
+  after = metrics(server)
+  moved = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+  ok = (("endpoint", "/v1/completions"), ("status", "200"))
+  assert moved(("transformer_jax_requests_total", ok)) == len(asks)
+  assert moved(("transformer_jax_completion_tokens_total", ())) == counted
+  assert moved(("transformer_jax_sequences_total", ())) == sum(a["n"] for a in asks)
+  stream = (("endpoint", "/v1/completions"),)
+  assert moved(("transformer_jax_first_event_seconds_count", stream)) == 4
+  assert moved(("transformer_jax_request_seconds_count", stream)) == len(asks)
+  assert after[("transformer_jax_running_sequences", ())] == 0
+  assert (after[("transformer_jax_programs_compiled_total", ())]
+          + after[("transformer_jax_programs_loaded_total", ())]) >= 1

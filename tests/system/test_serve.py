@@ -1,6 +1,7 @@
 """The translation server as a real process on localhost, with the trained smoke workdir: real
 HTTP requests from concurrent clients, a full queue, bad input, SIGTERM with requests in flight."""
 
+import concurrent.futures
 import http.client
 import json
 import subprocess
@@ -11,7 +12,7 @@ import time
 import portpicker
 import pytest
 
-from benchmarks.serve_load import get, post, start_server, stop_server, wait_ready
+from benchmarks.serve_load import get, metrics, post, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
 from transformer_jax.decoding.translator import split_pairs
 from transformer_jax.workdir import Workdir
@@ -72,6 +73,43 @@ def server(trained, tmp_path_factory):
 
 def _connection(port):
   return http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+
+def test_metrics_count_the_requests_and_sentences_the_clients_sent(server, short):
+  """Requests from 4 clients at once, one refused, then /metrics (read by Prometheus' parser):
+  its counts moved by what the clients sent and were answered."""
+  before = metrics(server)
+  requests = [{"sentences": short[i:i + 1 + i % 3], "beam_size": 1 + 3 * (i % 2)}
+              for i in range(8)] + [{"sentences": ["x" * 301]}]
+
+  def send(request):
+    connection = _connection(server)
+    try:
+      return post(connection, request)[0]
+    finally:
+      connection.close()
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    statuses = list(pool.map(send, requests))
+  assert statuses == [200] * 8 + [400]
+  after = metrics(server)
+  moved = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+  endpoint = ("endpoint", "/translate")
+  assert moved(("transformer_jax_requests_total", (endpoint, ("status", "200")))) == 8
+  assert moved(("transformer_jax_requests_total", (endpoint, ("status", "400")))) == 1
+  assert moved(("transformer_jax_request_seconds_count", (endpoint,))) == 9
+  assert moved(("transformer_jax_sentences_decoded_total", ())) == sum(
+      len(r["sentences"]) for r in requests[:8])  # Short sources: one piece each.
+  assert after[("transformer_jax_queued_sentences", ())] == 0
+  assert {("transformer_jax_shapes_compiled", ()), ("transformer_jax_shapes_planned", ()),
+          ("transformer_jax_programs_compiled_total", ())} <= set(after)
+  # A scan of random paths adds no series.
+  connection = _connection(server)
+  connection.request("GET", "/nowhere")
+  assert connection.getresponse().status == 404
+  connection.close()
+  assert ("transformer_jax_requests_total", (("endpoint", "other"), ("status", "404"))) in (
+      metrics(server))
 
 
 def test_concurrent_clients_get_what_translate_gives(server, sources, expected):

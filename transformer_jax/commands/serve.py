@@ -144,6 +144,7 @@ def main(argv):
     try:  # The server's libraries: imported once the flags are known good.
       import uvicorn
       import starlette  # noqa: F401
+      import prometheus_client  # noqa: F401
     except ImportError as e:
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'.[serve]' in the project's folder") from None
@@ -170,7 +171,8 @@ def main(argv):
     else:
       app_ = _translation_app(FLAGS, config, beam_sizes, slots, programs)
     give_up = getattr(app_.state, "before_shutdown_deadline", None)
-    app_ = _guarded(app_, FLAGS, language)
+    from transformer_jax.serving.metrics import Metrics
+    app_ = _guarded(Metrics(app_, app_.state.figures, programs), FLAGS, language)
     from transformer_jax.serving.protocol import with_head_timeout
     server = _server(give_up, FLAGS.shutdown_timeout, uvicorn.Config(
         app_, host=FLAGS.host, port=FLAGS.port, http=with_head_timeout(FLAGS.read_timeout),

@@ -35,6 +35,7 @@ from transformer_jax.data.tokenizer import BOS, EOS
 from transformer_jax.decoding.lm_slots import TOP, Draw, LanguageSlots
 from transformer_jax.serving import bodies
 from transformer_jax.serving.batcher import NotReady, QueueFull
+from transformer_jax.serving.metrics import Figure
 
 # Fields taken, and those of OpenAI's taken only at the value that means "off".
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
@@ -662,5 +663,20 @@ def create_app(service: Service) -> Starlette:
                           Route("/v1/models", models), Route("/health", health),
                           Route("/ready", ready), Route("/stats", stats)],
                   exception_handlers={404: unknown, 405: unknown}, lifespan=lifespan)
+  def figures() -> dict[str, Figure]:  # GET /metrics (serving/metrics.py).
+    done = engine.stats()
+    return {
+        "completion_requests": Figure("counter", "Completion requests taken", done.requests),
+        "sequences": Figure("counter", "Sequences (a request's prompts times n) decoded",
+                            done.sequences),
+        "completion_tokens": Figure("counter", "New tokens decoded", done.new_tokens),
+        "positions_decoded": Figure("counter", "Positions decoded: prompts' and new tokens'",
+                                    done.tokens),
+        "decoder_runs": Figure("counter", "Steps the decoder ran", done.runs),
+        "decode_seconds": Figure("counter", "Seconds the decoder was busy", done.busy_seconds),
+        "running_sequences": Figure("gauge", "Sequences in a slot (busy slots)", done.running),
+        "queued_sequences": Figure("gauge", "Sequences waiting for a slot", done.queued)}
+
   app.state.before_shutdown_deadline = engine.give_up  # commands/serve.py calls it.
+  app.state.figures = figures
   return app

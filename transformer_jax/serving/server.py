@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from transformer_jax.decoding import platforms, sentences as sentences_lib, streams
 from transformer_jax.serving import bodies
+from transformer_jax.serving.metrics import Figure
 from transformer_jax.serving.batcher import Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import DecodeOptions, strip
@@ -261,8 +262,27 @@ def create_app(service: Service) -> Starlette:
       await asyncio.to_thread(batcher.stop)
       logging.info("stopped: every accepted request was answered")
 
-  return Starlette(routes=[Route("/translate", translate, methods=["POST"]),
-                           Route("/health", health), Route("/ready", ready), Route("/info", info),
-                           Route("/stats", stats)],
-                   lifespan=lifespan)
+  def figures() -> dict[str, Figure]:  # GET /metrics (serving/metrics.py).
+    done = batcher.stats()
+    return {
+        "sentences_decoded": Figure("counter", "Sentences decoded (each part of a source split "
+                                    "into sentences counted)", done.sentences),
+        "decoder_runs": Figure("counter", "Batches the decoders ran", done.batches),
+        "rows_decoded": Figure("counter", "Rows decoded, a beam's rows and padding included",
+                               done.rows),
+        "decode_seconds": Figure("counter", "Seconds the decoder threads were busy, summed",
+                                 done.decode_s),
+        "queued_sentences": Figure("gauge", "Sentences waiting for a decoder",
+                                   batcher.queued()),
+        "shapes_compiled": Figure("gauge", "Decoder shapes ready, of shapes_planned",
+                                  batcher.shapes_done),
+        "shapes_planned": Figure("gauge", "Decoder shapes this server compiles",
+                                 batcher.shapes_total)}
+
+  app = Starlette(routes=[Route("/translate", translate, methods=["POST"]),
+                          Route("/health", health), Route("/ready", ready), Route("/info", info),
+                          Route("/stats", stats)],
+                  lifespan=lifespan)
+  app.state.figures = figures
+  return app
 
