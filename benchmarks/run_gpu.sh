@@ -170,11 +170,7 @@ elif [ "$part" = mfu ]; then
   gpu_info
   $py -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__, jax.devices())"
   lengths=model.attention_mask=lengths,data.packing=False
-  # A dry run's gpt2_step in float32: under load, jax 0.10.2's CPU backend sometimes fails this
-  # model's first bfloat16 step with an allocation of a nonsensical size (56,725,112,640 bytes,
-  # 3 of 8 runs beside other work, none of 3 on a quiet machine).
-  cpu_dtype=($(n '' "--set model.dtype=float32"))
-  step gpt2_vs_pytorch 400 $py benchmarks/gpt2_step.py --peers compiled --rounds "$(n 5 1)" --steps "$(n 10 1)" "${cpu_dtype[@]}" \
+  step gpt2_vs_pytorch 400 $py benchmarks/gpt2_step.py --peers compiled --rounds "$(n 5 1)" --steps "$(n 10 1)" \
       --variant model.remat=none --variant $lengths --variant $lengths,model.remat=none \
       --variant $lengths,model.remat=none,model.scan_layers=False \
       --json "$out/gpt2_vs_pytorch.json"
@@ -182,7 +178,7 @@ elif [ "$part" = mfu ]; then
   # process of their own: compare its "ours" with the run above.
   step gpt2_xla_flags 150 env XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true \
       --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=" \
-      $py benchmarks/gpt2_step.py --peers none --rounds "$(n 5 1)" --steps "$(n 10 1)" "${cpu_dtype[@]}" \
+      $py benchmarks/gpt2_step.py --peers none --rounds "$(n 5 1)" --steps "$(n 10 1)" \
       --variant $lengths,model.remat=none --json "$out/gpt2_xla_flags.json"
   step base_step 150 $py benchmarks/train_step.py "${base[@]}" --json "$out/base_step.json"
   step gpt2_profile 120 $py benchmarks/profile_step.py --config "$(cfg lm_gpt2_small)" \
