@@ -124,6 +124,93 @@ def _parsed(name: str) -> tuple[list[str], dict[tuple[str, ...], str | None]]:
 
 
 @pytest.mark.quick
+def test_the_readme_is_for_users():
+  lines = (ROOT / "README.md").read_text().splitlines()
+  assert len(lines) <= 150
+  assert lines[0] == "# transformer_jax"
+  for heading in ("## The two commands", "## Headline results", "## Commands", "## Layout"):
+    assert heading in lines
+
+
+RECORDS = ROOT / "docs" / "results.md"  # The one page of measurements.
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", [p for p in DOCS if p != RECORDS],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_reference_is_short_and_names_no_commit(path):
+  """A reference says how to use one part: at most 300 lines, no commit hashes (the records,
+  with what was run at which version, are docs/results.md and the JSON it links)."""
+  lines = path.read_text().splitlines()
+  assert len(lines) <= 300
+  assert not _lines_matching(path, re.compile(r"\b[0-9a-f]{7,40}\b")), "a commit-like hash"
+
+
+def _cited_results() -> set[str]:
+  cited = set()
+  for path in DOCS:
+    cited |= set(re.findall(r"benchmarks/results/[\w./-]*\w", path.read_text()))
+  return cited
+
+
+@pytest.mark.quick
+def test_every_kept_result_is_cited_and_every_cited_one_kept():
+  kept = {p.relative_to(ROOT).as_posix() for p in RESULTS.rglob("*") if p.is_file()}
+  cited = _cited_results()
+  assert len(kept) > 20
+  assert sorted(kept - cited) == [], "kept, cited by no doc"
+  assert sorted(c for c in cited if not (ROOT / c).exists()) == [], "cited, not kept"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_name_no_machine_paths_sittings_or_issues(path):
+  bad = _lines_matching(path, NOT_ABOUT_THE_PROJECT)
+  assert not bad, "\n".join(bad)
+
+
+def _lines_matching(path, pattern) -> list[str]:
+  return [f"{path.name}:{n}: {line.strip()}"
+          for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+# A lab notebook's wording: when or how something happened to be run, not what it measured.
+JOURNAL = re.compile(r"\blent (for|once)\b|available then|\bslow(er)? day\b|\b(to|yester)day\b|"
+                     r"this morning|\bscratch\b(?! size)", re.I)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_read_as_records_not_a_journal(path):
+  bad = _lines_matching(path, JOURNAL)
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.quick
+def test_the_journal_pattern_catches_what_it_should():
+  for text in ("an H100 lent for one day", "the compute available then", "on a slow day",
+               "five runs today", "a scratch timing", "In scratch checks"):
+    assert JOURNAL.search(text), text
+  assert not JOURNAL.search("XLA asks the CUDA runtime for its scratch size on 2026-11-22")
+
+
+@pytest.mark.quick
+def test_the_pattern_catches_what_it_should():
+  for text in ("see /work/main/runs", "in the fifth session", "one sitting", "issue 12", "#12"):
+    assert NOT_ABOUT_THE_PROJECT.search(text), text
+  assert not NOT_ABOUT_THE_PROJECT.search("runs/fra_eng on 2026-11-23, 2-core CPU")
+
+
+@pytest.mark.quick
+def test_every_doc_links_and_commands_were_found():
+  assert len(ALL_COMMANDS) > 25
+  readme = (ROOT / "README.md").read_text()
+  for link in re.findall(r"\]\(([^)#]+)\)", readme):
+    assert (ROOT / link).exists(), link
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("where,command", [c for c in ALL_COMMANDS if _runnable(c[1])])
 def test_every_documented_command_parses(where, command):
   """Each command's flags, config file, config variant and overrides are read as the command
