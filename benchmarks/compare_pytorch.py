@@ -1,6 +1,6 @@
 """Our train step against the same Transformer in PyTorch, timed A B A B in one process.
 
-  pip install ".[bench]"   # torch (on the dev machine: the CPU build, torch==2.13.0)
+  pip install ".[bench]"   # torch (the CPU build: see the README's test command)
   python benchmarks/compare_pytorch.py --config configs/fra_eng.py [--rows 48 --len 48]
       [--rounds 4 --steps 5] [--compile] [--set model.d_model=512 ...] [--json out.json]
 

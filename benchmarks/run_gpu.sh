@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU rows of benchmarks/README.md in one go, for one short lease of a GPU machine:
+# The GPU rows of benchmarks/README.md in one go, for a short loan of a GPU machine:
 #   bash benchmarks/run_gpu.sh OUT_DIR [PART]        (DRY=1 ...: the same at toy sizes on a CPU)
 # On an image with jax + CUDA but not tfds, grain, clu or ml_collections, it first installs the
 # wheels in $WHEELS (default wheels/, made here by benchmarks/gpu_wheels.sh and carried along).
