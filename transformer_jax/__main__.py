@@ -12,6 +12,7 @@
   serve       an HTTP server of translations, or of a language model's completions
               (OpenAI's API), decoding concurrent requests together
   download    the corpora and held-out test sets from their public sources
+  report      where a run's wall time went (its goodput ledger) and its curves as a PNG
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from transformer_jax import errors
 
 COMMANDS = ("train", "translate", "generate", "fill", "classify", "average", "visualize", "aot",
-            "export", "serve", "download")
+            "export", "serve", "download", "report")
 
 # Commands that have written all they make (their output files closed, their checkpoints only
 # read) when they end, and which then leave at once: tearing jax's runtime down, its compiled

@@ -6,6 +6,7 @@
     labels.json          a classifier's label names, in the order of its outputs
     checkpoints/STEP/    orbax checkpoints: train state, data position, fingerprints
     metrics.jsonl        training and evaluation scalars; TensorBoard events beside it
+    goodput.jsonl        where each life of the run spent its wall time (training/goodput.py)
     jax_cache/           JAX's compilation cache (unless compilation_cache_dir says otherwise)
     writer.lock          while a run writes the workdir: held by it (its process and host inside)
 

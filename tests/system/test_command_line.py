@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.system.test_user_mistakes import _one_error_line, _run
 
-COMMANDS = ("train", "translate", "fill", "average", "visualize", "aot", "export", "serve")
+COMMANDS = ("train", "translate", "fill", "average", "visualize", "aot", "export", "serve",
+            "report")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -35,6 +36,8 @@ def test_help_lists_the_commands_flags_and_exits_0(command):
      "error: --lanes must be 'auto' or a positive count, got '0'"),
     (["export", "--workdir=w", "--to=onnx", "out"],
      "error: flag --to=onnx: value should be one of <ctranslate2|jax|huggingface>"),
+    (["report", "--workdir=w"], "error: w holds no goodput.jsonl and metrics.jsonl of a run: "
+     "train.py writes them from its first step"),
 ])
 def test_a_bad_flag_value_is_one_line(args, message):
   assert _one_error_line(_run("-m", "transformer_jax", *args, timeout=120)) == message

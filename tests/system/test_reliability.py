@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import DATA, ROOT
 from transformer_jax import checkpoint, sharding
-from transformer_jax.training import steps as step_lib, trainer
+from transformer_jax.training import goodput, steps as step_lib, trainer
 from transformer_jax.training.average import state_of
 from transformer_jax.decoding.restore import open_run
 from transformer_jax.workdir import Workdir, WorkdirError
@@ -122,10 +122,16 @@ def test_sigterm_saves_the_current_step_and_the_resumed_run_is_exact(tmp_path, t
 
 
 def test_sigkill_at_three_moments_loses_nothing(tmp_path, tfds_dir, cache_dir, straight):
+  """Three SIGKILLs at random steps of three moments, then a run to the end: the same run as
+  an uninterrupted one, and a goodput ledger of four lives whose buckets add up to the wall
+  time the lives took, with the steps each kill lost counted as recomputed."""
   checkpoints = tmp_path / "checkpoints"
+  rng = random.Random()
+  walls, reached = [], []
 
   def kill_when(ready):
     """Starts a run and SIGKILLs its process group as soon as `ready(lines so far)`."""
+    began = time.time()
     proc = _start(tmp_path, tfds_dir, cache_dir)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -135,8 +141,10 @@ def test_sigkill_at_three_moments_loses_nothing(tmp_path, tfds_dir, cache_dir, s
       assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
       time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
+    walls.append(time.time() - began)  # Its life: up to the kill (not the kernel's clean-up).
     proc.wait()
     reader.join()
+    reached.append(max(r["step"] for r in _train_records(tmp_path)))  # Before the next run.
     return "".join(lines)
 
   def logged(step):
@@ -146,18 +154,45 @@ def test_sigkill_at_three_moments_loses_nothing(tmp_path, tfds_dir, cache_dir, s
     return lambda lines: logged(after_step)(lines) and any(
         ".orbax-checkpoint-tmp" in p.name for p in checkpoints.glob("*"))
 
-  kill_when(logged(6))  # Between checkpoints 4 and 8.
-  kill_when(saving(9))  # While a checkpoint (12, 16, ...) is being written.
-  kill_when(logged(NUM_STEPS - 2))  # Close to the end.
+  logs = [kill_when(logged(rng.randint(5, 7)))]  # Between checkpoints 4 and 8.
+  logs.append(kill_when(saving(rng.randint(9, 20))))  # While a checkpoint is being written.
+  logs.append(kill_when(logged(NUM_STEPS - rng.randint(2, 3))))  # Close to the end.
   # Every step logged before the last kill is in metrics.jsonl, once.
   steps = [r["step"] for r in _train_records(tmp_path)]
-  assert len(steps) >= NUM_STEPS - 2 and steps == list(range(1, len(steps) + 1))
+  assert len(steps) >= NUM_STEPS - 3 and steps == list(range(1, len(steps) + 1))
 
-  log = _run(tmp_path, tfds_dir, cache_dir)
+  began = time.time()
+  logs.append(_run(tmp_path, tfds_dir, cache_dir))
+  walls.append(time.time() - began)
   # A killed run's lock is the operating system's: gone with it, and the next run says so.
   assert re.search(rf"{tmp_path} was left locked by process \d+ on .+, which has ended: taking it "
-                   "over", log)
+                   "over", logs[-1])
   _assert_same_run(tmp_path, straight)
+
+  lives = goodput.read(tmp_path / goodput.FILE)
+  # Where each life began: a kill before the first checkpoint was written starts afresh.
+  resumed = [int(m.group(1)) if (m := re.search(r"Resuming from the checkpoint of step (\d+)",
+                                                log)) else 0 for log in logs]
+  assert [(life["life"], life["from_step"]) for life in lives] == list(enumerate(resumed, 1))
+  # The steps each kill lost (its reach in metrics.jsonl, less the next life's checkpoint).
+  lost = [0] + [reach - start for reach, start in zip(reached, resumed[1:])]
+  assert [life["recomputed_steps"] for life in lives] == lost, (reached, resumed)
+  assert lives[-1]["step"] == NUM_STEPS
+  for life, wall in zip(lives, walls):  # Each bucket of each life: >= 0, all of its time.
+    assert min(life["seconds"].values()) >= 0
+    assert sum(life["seconds"].values()) == pytest.approx(life["updated"] - life["started"],
+                                                          abs=0.01)
+  total = goodput.summary(lives)
+  assert total["wall"] == pytest.approx(sum(walls), rel=0.01), [
+      (wall, life["updated"] - life["started"]) for wall, life in zip(walls, lives)]
+  assert total["recomputed_steps"] == sum(lost) and total["seconds"]["recomputed"] > 0
+  report = subprocess.run([sys.executable, "-m", "transformer_jax", "report", "--workdir",
+                           str(tmp_path), "--png", str(tmp_path.parent / "report.png")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert report.returncode == 0, report.stderr[-2000:]
+  assert f"4 lives, {total['wall']:,.1f} s of wall time, step {NUM_STEPS} reached" in report.stdout
+  assert f"({sum(lost)} steps)" in report.stdout
+  assert (tmp_path.parent / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_second_run_on_a_busy_workdir_is_one_line_and_writes_nothing(tmp_path, tfds_dir,

@@ -8,6 +8,7 @@ nothing the config file read (a Hugging Face checkpoint the run started from).
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -50,8 +51,16 @@ def main(argv):
     launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,
                                   F.distributed)
     # jax and the data stack load after the flags parse.
-    from transformer_jax.training import trainer
-    trainer.train_and_evaluate(config, F.workdir)
+    import jax
+    from transformer_jax.training import goodput, trainer
+    trainer.train_and_evaluate(config, F.workdir, started=goodput.process_start())
+  if jax.process_count() == 1:  # (Several processes: jax.distributed's exit syncs them.)
+    # Every file written and closed, the ledger's last line included: the run ends here, as
+    # translate does, rather than a second later, after jax's runtime is torn down.
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run() -> None:

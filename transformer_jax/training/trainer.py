@@ -16,8 +16,8 @@ from jax.experimental import multihost_utils
 
 from transformer_jax import config as config_lib, errors, fs, sharding
 from transformer_jax.models import build, flops as flops_lib
-from transformer_jax.training import (aot, checks, finetune, preemption as preemption_lib, resume,
-                                      steps as step_lib, writers)
+from transformer_jax.training import (aot, checks, finetune, goodput, preemption as preemption_lib,
+                                      resume, steps as step_lib, writers)
 from transformer_jax.training.bleu_eval import BleuEval
 from transformer_jax.data import documents, labelled, pipeline
 from transformer_jax.data.catalog import DATASETS
@@ -25,8 +25,11 @@ from transformer_jax.workdir import Workdir
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
-                       workdir: str) -> step_lib.TrainState:
-  """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`."""
+                       workdir: str, started: float | None = None) -> step_lib.TrainState:
+  """Trains to `run.num_steps`, resuming from the latest checkpoint in `workdir`. `started`:
+  when this life of the run began, for its goodput ledger (train.py: the process's start;
+  default: now)."""
+  ledger = goodput.Ledger(time.time() if started is None else started)
   # Every check that can fail comes before anything is prepared, compiled or written.
   cfg = checks.validated(config)
   checks.check_paths(cfg)
@@ -39,10 +42,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,
   fs.check_writable(run_dir.path, "--workdir")
   # One run writes a workdir at a time (the first host holds the lock for them all).
   with run_dir.writer_lock() if primary else contextlib.nullcontext():
-    return _train(cfg, mesh, run_dir)
+    return _train(cfg, mesh, run_dir, ledger)
 
 
-def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainState:
+def _train(cfg: config_lib.Config, mesh, run_dir: Workdir,
+           ledger: goodput.Ledger) -> step_lib.TrainState:
   """train_and_evaluate's run, its config and workdir checked."""
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
   lm = cfg.model.family in config_lib.DOCUMENT_FAMILIES  # Documents, not sentence pairs.
@@ -114,7 +118,9 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
   per_char = cfg.model.family == "decoder_only" and _per_character(data, eval_data, hosts)
 
   ckpt = run_dir.checkpointer(run.checkpoint_every, run.keep_checkpoints)
+  ledger.enter("restore")
   restored = ckpt.restore_latest(state, state_shardings)
+  ledger.enter("startup")
   if restored:
     start, state, data_state = restored
     logging.info("Resuming from the checkpoint of step %d in %s%s", start, ckpt.directory,
@@ -128,6 +134,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
     logging.info("No checkpoint in %s: starting from scratch", ckpt.directory)
   if primary:  # One writer; only once the checkpoints are known to be this run's.
     run_dir.write_config(cfg)
+    ledger.open(workdir, start)  # Before the metrics lose the steps a killed life logged.
 
   writer = writers.create(workdir, primary, resume_step=start)
   if start == 0:
@@ -162,7 +169,9 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
       history = []
       for step in range(start + 1, run.num_steps + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-          state, metrics = p_train(state, next(batches))
+          batch = next(batches)
+          ledger.enter_step(step)
+          state, metrics = p_train(state, batch)
           history.append(metrics)  # Device arrays: read only when logged, no sync per step.
           guard.record(step, metrics["nonfinite"])
         if step % run.log_every == 0 or step == run.num_steps:
@@ -170,7 +179,7 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
           finite = [m for m in history if not float(m["nonfinite"])] or history
           summary = {k: float(np.mean([m[k] for m in finite])) for k in finite[0]
                      if k != "nonfinite"}
-          rate = progress.report(step)
+          rate = progress.report(step, ledger.goodput())
           summary.update(tokens_per_sec=summary["tokens"] * len(finite) / rate["seconds"],
                          padding_fraction=1.0 - summary["tokens"] / capacity,
                          learning_rate=float(schedule(step - 1)),
@@ -180,9 +189,11 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
           if peak:  # Model-FLOPs utilisation of one device.
             summary["mfu"] = summary["model_flops_per_sec"] / peak
           writer.write_scalars(step, {"steps_per_sec": rate["steps_per_sec"],
+                                      "train/goodput": ledger.goodput(),
                                       **{f"train/{k}": v for k, v in summary.items()}})
           history = []
         if step % ev.every == 0 or step == run.num_steps:
+          ledger.enter("eval")
           eval_start = time.perf_counter()
           result = step_lib.summarize_eval(
               [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data], per_char)
@@ -196,17 +207,23 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir) -> step_lib.TrainStat
           progress.exclude(time.perf_counter() - eval_start)  # Throughput excludes evaluation.
         stop = preemption.should_stop(step)
         if step % run.checkpoint_every == 0 or step == run.num_steps or stop:
+          ledger.enter("save")
           save(step)
+        ledger.finished(step)
         if stop:
           ckpt.wait()
           logging.warning("Stopped at step %d by a signal; its checkpoint is saved in %s. "
                           "Run the same command to resume.", step, ckpt.directory)
           break
   finally:  # Also on an error: finish the checkpoint being written, flush the logs.
+    ledger.enter("other")
     stream.close()
     writer.flush()
-    ckpt.close()
+    ledger.enter("save")
+    ckpt.close()  # Waits for the last checkpoint.
+    ledger.enter("other")
     preemption.restore()
+    ledger.close()
   return state
 
 

@@ -207,12 +207,14 @@ class Progress:
     mean_eval = self.eval_seconds / self.evals if self.evals else 0.0
     return (self.num_steps - step) / max(rate, 1e-9) + self.evals_left(step) * mean_eval
 
-  def report(self, step: int) -> dict[str, float]:
+  def report(self, step: int, goodput: float | None = None) -> dict[str, float]:
+    """The progress line; `goodput`: the share of the run's wall time spent in train steps."""
     now = time.perf_counter()
     elapsed = max(now - self.last_time - self.paused, 1e-9)
     rate = (step - self.last_step) / elapsed
-    logging.info("Step %d of %d (%.0f%%), %.2f steps/s, about %.0f min left", step,
+    logging.info("Step %d of %d (%.0f%%), %.2f steps/s, about %.0f min left%s", step,
                  self.num_steps, 100 * step / self.num_steps, rate,
-                 self.seconds_left(step, rate) / 60)
+                 self.seconds_left(step, rate) / 60,
+                 "" if goodput is None else f", goodput {100 * goodput:.0f}%")
     self.last_step, self.last_time, self.paused = step, now, 0.0
     return {"steps_per_sec": rate, "seconds": elapsed}
