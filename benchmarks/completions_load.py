@@ -21,7 +21,9 @@ loads and first runs its programs. Modes:
 streams' inter-token latency shows how much reading a long prompt stalls them.
 Tokens/s counts the completion tokens (the servers' usage) over the clients' wall time; the
 first-token latency is from sending a request to its first piece of text. Every mode's texts
-are compared with the first mode's (seeded: they must be equal).
+are compared with the first mode's (seeded: they must be equal). GET /metrics, scraped before
+and after each mode's timed clients, gives the requests, completion tokens and first events
+the server counted, checked against the clients' counts (`server_counts_agree`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import cpu_model  # noqa: E402
-from benchmarks.serve_load import get, start_server, stop_server, wait_ready  # noqa: E402
+from benchmarks.serve_load import get, scraped, start_server, stop_server, wait_ready  # noqa: E402
 import portpicker  # noqa: E402
 
 
@@ -127,6 +129,14 @@ def run_mode(port: int, plan: list[list[dict]]) -> dict:
   return {"wall_s": time.monotonic() - began, "results": results, "errors": errors}
 
 
+# What the completions server counts of a mode's clients.
+COUNTED = {"requests_200": ("transformer_jax_requests_total",
+                            {"endpoint": "/v1/completions", "status": "200"}),
+           "completion_tokens": ("transformer_jax_completion_tokens_total", {}),
+           "first_events": ("transformer_jax_first_event_seconds_count",
+                            {"endpoint": "/v1/completions"})}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True)
@@ -171,7 +181,7 @@ def main() -> None:
     # Not timed: a first call of each program the mode runs (loading it, a first run).
     warm = [{**body, "max_tokens": 8, "seed": 10 ** 6} for body in bodies[:args.clients]]
     run_mode(port, [[body] for body in warm] if len(plans[mode]) > 1 else [warm[:2]])
-    run = run_mode(port, plans[mode])
+    run, counted = scraped(port, lambda: run_mode(port, plans[mode]), COUNTED)
     stats = get(port, "/stats")[1]
     status = stop_server(server)
     texts = [None] * len(bodies)
@@ -195,6 +205,11 @@ def main() -> None:
            "long_prompt_tokens": long_tokens if args.long_share else 0,
            "different_from_first_mode": sum(a != b for a, b in zip(texts, reference)),
            "decoder_runs": stats["runs"], "busy_s": round(stats["busy_seconds"], 2),
+           # GET /metrics against the clients' own counts (every request streams).
+           "server_counted": counted,
+           "server_counts_agree": counted == {"requests_200": len(run["results"]),
+                                              "completion_tokens": tokens,
+                                              "first_events": len(run["results"])},
            "errors": run["errors"][:5], "exit_status": status,
            "server_flags": flags[mode] + args.server_flags.split()}
     rows[mode] = row

@@ -16,7 +16,9 @@ is checked). Modes:
 Every answer is compared with the first mode's answer to the same sentence: the table
 counts answers lost (never given), duplicated (given twice) and different. Sentences/s counts
 the answered sentences over the wall time of the clients; the server's GET /stats gives the
-batches it decoded (sentences a batch, padded rows).
+batches it decoded (sentences a batch, padded rows). GET /metrics, scraped before and after
+each mode's clients and read by Prometheus' parser, gives the requests and sentences the server
+counted, checked against the clients' counts (`server_counts_agree`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,30 @@ def metrics(port: int) -> dict[tuple[str, tuple], float]:
     raise RuntimeError(f"GET /metrics answered {response.status}: {text[:200]}")
   return {(s.name, tuple(sorted(s.labels.items()))): s.value
           for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def moved(before: dict, after: dict, name: str, **labels: str) -> float:
+  """How far a sample of two `metrics()` scrapes moved between them."""
+  key = (name, tuple(sorted(labels.items())))
+  return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def scraped(port: int, run, samples: dict[str, tuple[str, dict]]) -> tuple[object, dict]:
+  """`run()` (a mode's clients) between two scrapes of GET /metrics: (what run() returned,
+  {key: how far the sample (name, labels) of `samples[key]` moved meanwhile})."""
+  before = metrics(port)
+  result = run()
+  after = metrics(port)
+  return result, {key: moved(before, after, name, **labels)
+                  for key, (name, labels) in samples.items()}
+
+
+# What the translation server counts of a mode's clients.
+COUNTED = {"requests_200": ("transformer_jax_requests_total",
+                            {"endpoint": "/translate", "status": "200"}),
+           "refused_503": ("transformer_jax_requests_total",
+                           {"endpoint": "/translate", "status": "503"}),
+           "sentences": ("transformer_jax_sentences_decoded_total", {})}
 
 
 def get(port: int, path: str) -> tuple[int, dict]:
@@ -226,10 +252,9 @@ def main() -> None:
     try:
       ready_s = wait_ready(server, port)
       options = {} if args.beam_size is None else {"beam_size": args.beam_size}
-      if mode == "one_at_a_time":
-        run = one_client(port, plan, args.retry_scale, args.deadline, options)
-      else:
-        run = run_clients(port, plan, args.retry_scale, args.deadline, options)
+      clients = one_client if mode == "one_at_a_time" else run_clients
+      run, counted = scraped(
+          port, lambda: clients(port, plan, args.retry_scale, args.deadline, options), COUNTED)
       stats = get(port, "/stats")[1]
     finally:
       status = stop_server(server)
@@ -251,6 +276,12 @@ def main() -> None:
         "batches": stats["batches"],
         "sentences_per_batch": round(stats["sentences"] / max(stats["batches"], 1), 2),
         "padded_rows": stats["rows"] - stats["sentences"],
+        # GET /metrics against the clients' own counts (long sources split in pieces are
+        # decoded as several sentences).
+        "server_counted": counted,
+        "server_counts_agree": (counted["requests_200"] == sum(run["counts"].values())
+                                and counted["refused_503"] == run["refused"]
+                                and counted["sentences"] >= answered),
         "errors": run["errors"][:5], "exit_status": status,
         "server_flags": flags[mode] + args.server_flags.split()}
     results[mode] = row

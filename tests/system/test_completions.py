@@ -14,6 +14,7 @@ import openai
 import portpicker
 import pytest
 
+from benchmarks import completions_load, serve_load
 from benchmarks.serve_load import get, metrics, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
 
@@ -462,3 +463,12 @@ def test_metrics_count_the_requests_and_tokens_the_clients_saw(server, client):
   assert after[("transformer_jax_running_sequences", ())] == 0
   assert (after[("transformer_jax_programs_compiled_total", ())]
           + after[("transformer_jax_programs_loaded_total", ())]) >= 1
+  # benchmarks/completions_load.py's clients, between its two scrapes.
+  bodies = [dict(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=6 + i, temperature=1.0, seed=i)
+            for i in range(4)]
+  run, counted = serve_load.scraped(
+      server, lambda: completions_load.run_mode(server, [[body] for body in bodies]),
+      completions_load.COUNTED)
+  assert run["errors"] == [] and len(run["results"]) == 4
+  assert counted == {"requests_200": 4, "first_events": 4,
+                     "completion_tokens": sum(r[2] for r in run["results"].values())}

@@ -1,7 +1,6 @@
 """The translation server as a real process on localhost, with the trained smoke workdir: real
 HTTP requests from concurrent clients, a full queue, bad input, SIGTERM with requests in flight."""
 
-import concurrent.futures
 import http.client
 import json
 import subprocess
@@ -12,6 +11,7 @@ import time
 import portpicker
 import pytest
 
+from benchmarks import serve_load
 from benchmarks.serve_load import get, metrics, post, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
 from transformer_jax.decoding.translator import split_pairs
@@ -76,30 +76,30 @@ def _connection(port):
 
 
 def test_metrics_count_the_requests_and_sentences_the_clients_sent(server, short):
-  """Requests from 4 clients at once, one refused, then /metrics (read by Prometheus' parser):
-  its counts moved by what the clients sent and were answered."""
+  """benchmarks/serve_load.py's clients (4 at once, 3 requests each) and one bad request
+  between its two scrapes of /metrics (read by Prometheus' parser): the server counted what
+  the clients sent and were answered."""
+  plan = [[[short[(3 * c + r + i) % len(short)] for i in range(1 + r)] for r in range(3)]
+          for c in range(4)]
   before = metrics(server)
-  requests = [{"sentences": short[i:i + 1 + i % 3], "beam_size": 1 + 3 * (i % 2)}
-              for i in range(8)] + [{"sentences": ["x" * 301]}]
 
-  def send(request):
+  def clients():
+    run = serve_load.run_clients(server, plan)
     connection = _connection(server)
-    try:
-      return post(connection, request)[0]
-    finally:
-      connection.close()
+    assert post(connection, {"sentences": ["x" * 301]})[0] == 400
+    connection.close()
+    return run
 
-  with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    statuses = list(pool.map(send, requests))
-  assert statuses == [200] * 8 + [400]
+  run, counted = serve_load.scraped(server, clients, serve_load.COUNTED)
+  assert run["errors"] == [] and sum(run["counts"].values()) == 12
+  # Short sources: one piece each.
+  assert counted == {"requests_200": 12, "refused_503": 0,
+                     "sentences": sum(len(r) for c in plan for r in c)}
   after = metrics(server)
   moved = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
   endpoint = ("endpoint", "/translate")
-  assert moved(("transformer_jax_requests_total", (endpoint, ("status", "200")))) == 8
   assert moved(("transformer_jax_requests_total", (endpoint, ("status", "400")))) == 1
-  assert moved(("transformer_jax_request_seconds_count", (endpoint,))) == 9
-  assert moved(("transformer_jax_sentences_decoded_total", ())) == sum(
-      len(r["sentences"]) for r in requests[:8])  # Short sources: one piece each.
+  assert moved(("transformer_jax_request_seconds_count", (endpoint,))) == 13
   assert after[("transformer_jax_queued_sentences", ())] == 0
   assert {("transformer_jax_shapes_compiled", ()), ("transformer_jax_shapes_planned", ()),
           ("transformer_jax_programs_compiled_total", ())} <= set(after)
