@@ -302,3 +302,17 @@ def test_prepare_fits_the_tokenizer_once_and_shares_it(fra_eng_builder, tfds_dir
   assert (tmp_path / "w2" / "tokenizer.model").read_bytes() == \
       (tmp_path / "w1" / "tokenizer.model").read_bytes()
   assert second.train.directory == first.train.directory
+
+
+def test_preparing_a_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+  """tfds made (and left) an empty tmpXXXXtfds directory there for every new builder."""
+  import tempfile
+  raw, temporary = tmp_path / "raw", tmp_path / "temporary"
+  raw.mkdir()
+  temporary.mkdir()
+  for split in ("train", "validation"):
+    (raw / f"{split}.tsv").write_text("a b\tc d\ne f\tg h\n")
+  monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+  builder = sources.prepare("parallel_tsv", str(tmp_path / "tfds"), str(raw))
+  assert builder.info.splits["train"].num_examples == 2
+  assert list(temporary.iterdir()) == []

@@ -80,7 +80,18 @@ def _manual_dir(dl_manager) -> Path | None:
     return None
 
 
-class FraEng(tfds.core.GeneratorBasedBuilder):
+class _Builder(tfds.core.GeneratorBasedBuilder):
+  """tfds's builder, less a temporary directory per new builder: tfds's DatasetInfo makes one
+  to copy a published dataset's metadata from Google Cloud Storage into, finds none (its GCS
+  lookups are off) and leaves it behind, empty, in the system's temporary folder."""
+
+  def dataset_info_from_configs(self, **kwargs):
+    info = super().dataset_info_from_configs(**kwargs)
+    info.initialize_from_bucket = lambda: None  # Nothing to fetch: nothing to make.
+    return info
+
+
+class FraEng(_Builder):
   """The d2l "fra-eng" corpus (Tatoeba via manythings.org/anki), English -> French."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -142,7 +153,7 @@ def _read_fra_txt(source: Path):
       yield from f
 
 
-class Multi30k(tfds.core.GeneratorBasedBuilder):
+class Multi30k(_Builder):
   """Multi30k task 1 image captions, English -> French or German."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -184,7 +195,7 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
         yield i - 1, {"en": normalize(en), self._target: normalize(tgt)}
 
 
-class ParallelTsv(tfds.core.GeneratorBasedBuilder):
+class ParallelTsv(_Builder):
   """Any local parallel corpus: `train.tsv` and `validation.tsv` (and optionally `test.tsv`) in
   the manual directory, one `source<TAB>target` pair a line (benchmarks/synthetic_corpus.py
   writes such a corpus). Prepare each corpus into its own tfds_dir."""
@@ -263,7 +274,7 @@ def read_documents(directory: Path) -> dict[str, str]:
   return docs
 
 
-class TextDocuments(tfds.core.GeneratorBasedBuilder):
+class TextDocuments(_Builder):
   """A monolingual corpus of documents for language models, split by document
   (`document_splits`): the manual directory's *.txt files (`read_documents`). Without one,
   the `shakespeare` config downloads its 42 works (SHAKESPEARE_URL)."""
@@ -375,7 +386,7 @@ def _labelled_lines(path: Path):
     raise DatasetError(f"{path} holds no example (an empty file)")
 
 
-class LabelledText(tfds.core.GeneratorBasedBuilder):
+class LabelledText(_Builder):
   """Texts and their labels, for a classifier. `local`: the manual directory's train and
   validation files (and optionally test), each `SPLIT.tsv` (`text<TAB>label` lines) or
   `SPLIT.jsonl` ({"text", "label"} lines). `shakespeare_genre`: passages of the plays
