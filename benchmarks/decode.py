@@ -65,7 +65,7 @@ def main():
 
   @functools.partial(jax.jit, static_argnames=("beam_size",))
   def ours(params, src, beam_size):
-    return generation.generate(model, params, src, out_len, beam_size=beam_size)
+    return generation.translate_ids(model, params, src, out_len, beam_size=beam_size)
 
   @jax.jit
   def forward(params, src, prefix):  # Full pass over the whole prefix buffer: [B, out_len, V].

@@ -84,7 +84,7 @@ def main():
 
   from transformer_jax.decoding import platforms
   from transformer_jax.decoding.inputs import read_lines
-  from transformer_jax.decoding.generation import DecodeOptions
+  from transformer_jax.decoding.options import DecodeOptions
   from transformer_jax.decoding.translator import BEAM_BUDGET, Translator, translate_lines
 
   lines = read_lines(args.input)

@@ -14,7 +14,8 @@ from tests.conftest import DATA, ROOT
 from transformer_jax.decoding import generation
 from transformer_jax.interop import jax_export
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
-from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip
+from transformer_jax.decoding.generation import encode_sources, strip
+from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.decoding.translator import Translator, split_pairs
 
 

@@ -198,7 +198,7 @@ def _lm(max_len=24):
 
 
 def test_greedy_continuations_equal_the_full_forward_passs_argmax():
-  from transformer_jax.decoding.generation import continue_prompts
+  from transformer_jax.decoding.prompts import continue_prompts
   model, params = _lm()
   prompts = [[BOS, 5, 9, 11, 40], [BOS, 7], [BOS, 30, 31, 32, 33, 34, 35, 36]]
   width, max_new = 8, 10
@@ -225,8 +225,7 @@ def test_sampled_continuations_equal_draws_from_the_full_forward_pass(max_len, m
   distribution given all before it: drawn here from the full pass over the sequence so far.
   (Sampling at temperature 2 notices any change of the logits, as greedy choices on a random
   model may not.) With 160 positions the cache grows from 64 to 128 positions on the way."""
-  from transformer_jax.decoding.generation import (NEVER_CONTINUED, cache_widths,
-                                                   continue_prompts)
+  from transformer_jax.decoding.prompts import NEVER_CONTINUED, cache_widths, continue_prompts
   model, params = _lm(max_len)
   sampler = search.Sampling(temperature=2.0)
   prompts = [[BOS] + list(range(3, 3 + n)) for n in (0, 2, 5, 9, 4, 1)]
@@ -254,7 +253,7 @@ def test_sampled_continuations_equal_draws_from_the_full_forward_pass(max_len, m
 def test_a_top_p_below_float32s_normal_range_keeps_the_most_likely_token():
   """top_p=1e-40 flushes to 0 on a CPU: every token was cut, and the draw fell on <pad>.
   The most likely token always stays: such a top_p is greedy."""
-  from transformer_jax.decoding.generation import continue_prompts
+  from transformer_jax.decoding.prompts import continue_prompts
   model, params = _lm()
   ids, lengths = np.array([[BOS, 5, 9, 11]], np.int32), np.array([4], np.int32)
   run = jax.jit(continue_prompts, static_argnums=(0, 4, 5, 6))
@@ -265,7 +264,7 @@ def test_a_top_p_below_float32s_normal_range_keeps_the_most_likely_token():
 
 
 def test_a_sampled_continuation_is_the_same_in_any_batch():
-  from transformer_jax.decoding.generation import continue_prompts
+  from transformer_jax.decoding.prompts import continue_prompts
   model, params = _lm()
   run = jax.jit(continue_prompts, static_argnums=(0, 4, 5, 6))
   sampler = search.Sampling(temperature=1.5, top_k=20)
@@ -282,7 +281,7 @@ def test_a_sampled_continuation_is_the_same_in_any_batch():
 def test_a_continuation_never_holds_pad_bos_or_unk():
   """A model that rates <pad>, <bos> and <unk> far above every other id: over 64 rows x 24
   sampled tokens (and greedy) none is chosen, where the pieces of text are."""
-  from transformer_jax.decoding.generation import NEVER_CONTINUED, continue_prompts
+  from transformer_jax.decoding.prompts import NEVER_CONTINUED, continue_prompts
   from transformer_jax.models.transformer import LanguageModel
   model, params = _lm(max_len=32)
   bias = np.zeros(64, np.float32)

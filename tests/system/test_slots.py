@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from transformer_jax.decoding import generation, platforms, search, slots, streams
-from transformer_jax.decoding.generation import SPECIALS, DecodeOptions, encode_sources
+from transformer_jax.decoding.generation import SPECIALS, encode_sources
+from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.programs import ProgramStore
 from transformer_jax.decoding.translator import Translator, split_pairs, translate_lines
 
@@ -97,7 +98,7 @@ def test_sampling_in_slots_draws_what_the_batch_sampler_draws(translator, source
   got = streams.decode_all(decoder, rows, [max_len] * len(rows))
   for i, (tokens, _) in enumerate(got):
     np.testing.assert_array_equal(tokens[0], batch[i], err_msg=str(i))
-  greedy = generation.generate(translator.model, translator.params, src, max_len)
+  greedy = generation.translate_ids(translator.model, translator.params, src, max_len)
   assert not np.array_equal(np.asarray(greedy), batch)  # It did sample.
 
 

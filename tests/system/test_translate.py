@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import DATA, ROOT
 from transformer_jax import metrics
 from transformer_jax.training import trainer
-from transformer_jax.decoding.generation import DecodeOptions
+from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.decoding.translator import Translator
 from transformer_jax.workdir import Workdir, WorkdirError
 

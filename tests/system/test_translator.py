@@ -12,7 +12,8 @@ from tests.conftest import ROOT
 from transformer_jax.decoding import search, generation
 from transformer_jax.decoding import translator as translator_lib
 from transformer_jax.data.tokenizer import EOS, PAD
-from transformer_jax.decoding.generation import DecodeOptions, InferenceError, encode_sources
+from transformer_jax.decoding.generation import encode_sources
+from transformer_jax.decoding.options import DecodeOptions, InferenceError
 from transformer_jax.decoding.translator import Translator, split_pairs
 
 ALPHA = 0.6

@@ -44,8 +44,8 @@ def test_a_source_alone_and_inside_a_padded_batch_decode_the_same(tiny):
   alone = jnp.array([[11, 12, 13, 2]])
   batch = jnp.array([[11, 12, 13, 2, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10, 11, 2]])
   for beam in (1, 3):
-    a = generation.generate(model, params, alone, 6, beam_size=beam)
-    b = generation.generate(model, params, batch, 6, beam_size=beam)
+    a = generation.translate_ids(model, params, alone, 6, beam_size=beam)
+    b = generation.translate_ids(model, params, batch, 6, beam_size=beam)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
 
 

@@ -156,7 +156,7 @@ def test_decoding_slots_read_prompts_in_chunks_as_generate_reads_them():
   and one while others decode, greedy and sampled, continue as `continue_prompts` continues
   them; the prompts' kept log-probabilities equal the full forward pass's."""
   from transformer_jax.decoding import search
-  from transformer_jax.decoding.generation import NEVER_CONTINUED, continue_prompts
+  from transformer_jax.decoding.prompts import NEVER_CONTINUED, continue_prompts
   from transformer_jax.decoding.lm_slots import Draw, LanguageSlots
   lm = _model(pre_ln=True, positions="learned")
   params = _init(lm, seed=9)["params"]

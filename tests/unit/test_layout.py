@@ -128,7 +128,8 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
   import importlib
   from transformer_jax.errors import UserError
   names = {"transformer_jax.config": "ConfigError", "transformer_jax.workdir": "WorkdirError",
-           "transformer_jax.decoding.generation": "InferenceError",
+           "transformer_jax.decoding.options": "InferenceError",
+           "transformer_jax.commands.report": "ReportError",
            "transformer_jax.training.average": "AverageError",
            "transformer_jax.training.targets": "AotError",
            "transformer_jax.interop.export": "ExportError",

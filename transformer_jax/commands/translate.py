@@ -36,7 +36,7 @@ from transformer_jax.commands import launch
 from transformer_jax.decoding import platforms  # noqa: E402
 from transformer_jax.decoding.inputs import check_output_path, read_lines  # noqa: E402
 from transformer_jax.decoding.search import BEAM_STOPS  # noqa: E402
-from transformer_jax.decoding.generation import DecodeOptions, InferenceError  # noqa: E402
+from transformer_jax.decoding.options import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
 from transformer_jax.decoding.translator import (  # noqa: E402

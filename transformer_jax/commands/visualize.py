@@ -18,7 +18,7 @@ from absl import app, flags  # noqa: E402
 
 from transformer_jax import errors, fs  # noqa: E402
 from transformer_jax.commands import launch
-from transformer_jax.decoding.generation import DecodeOptions, InferenceError  # noqa: E402
+from transformer_jax.decoding.options import DecodeOptions, InferenceError  # noqa: E402
 
 
 def define_flags() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.data.tokenizer import BOS
-from transformer_jax.decoding.generation import InferenceError
+from transformer_jax.decoding.options import InferenceError
 from transformer_jax.decoding import restore
 
 ROWS = 64  # Texts a call of the model reads.

@@ -1,5 +1,5 @@
 """A trained language model restored from a workdir (config, tokenizer, the newest checkpoint
-that verifies), continuing text prompts with one jitted decoder (generation.continue_prompts).
+that verifies), continuing text prompts with one jitted decoder (prompts.continue_prompts).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import BOS, EOS
 from transformer_jax.decoding import restore, search
-from transformer_jax.decoding.generation import InferenceError, continue_prompts
+from transformer_jax.decoding.options import InferenceError
+from transformer_jax.decoding.prompts import continue_prompts
 
 
 class Completer:

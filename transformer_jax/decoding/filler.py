@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.data.tokenizer import UNK
-from transformer_jax.decoding.generation import InferenceError
+from transformer_jax.decoding.options import InferenceError
 from transformer_jax.decoding import restore
 from transformer_jax.models import build
 

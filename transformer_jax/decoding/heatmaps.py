@@ -23,7 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer_jax.data.tokenizer import BOS  # noqa: E402
-from transformer_jax.decoding.generation import DecodeOptions, encode_sources, strip  # noqa: E402
+from transformer_jax.decoding.generation import encode_sources, strip  # noqa: E402
+from transformer_jax.decoding.options import DecodeOptions  # noqa: E402
 from transformer_jax.decoding.translator import Translator  # noqa: E402
 from transformer_jax.models.transformer import Transformer  # noqa: E402
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from transformer_jax import fs
-from transformer_jax.decoding.generation import InferenceError
+from transformer_jax.decoding.options import InferenceError
 
 
 def read_lines(path: str) -> list[str]:

@@ -36,7 +36,7 @@ from jax import lax
 
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding import platforms, search, slots as slots_lib
-from transformer_jax.decoding.generation import NEVER_CONTINUED
+from transformer_jax.decoding.prompts import NEVER_CONTINUED
 from transformer_jax.models.transformer import LanguageModel
 from transformer_jax.programs import ProgramStore
 

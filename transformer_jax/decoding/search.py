@@ -413,3 +413,9 @@ def strip(tokens: np.ndarray, specials: Specials) -> list[int]:
       break
     out.append(t)
   return out
+
+
+def tokens_only(logits, vocab: int | None):
+  """Logits [..., V] cut to the tokenizer's `vocab` ids (None: all): the model's vocabulary is
+  padded (build.padded_vocab), and its extra ids are no tokens."""
+  return logits if vocab is None else logits[..., :vocab]

@@ -22,8 +22,8 @@ from absl import logging
 from transformer_jax import errors
 from transformer_jax.decoding import platforms, restore, sentences, slots, streams
 from transformer_jax.data.catalog import DATASETS
-from transformer_jax.decoding.generation import (SPECIALS, DecodeOptions, InferenceError,
-                                                 encode_sources, scored, slot_model, strip)
+from transformer_jax.decoding.generation import SPECIALS, encode_sources, scored, slot_model, strip
+from transformer_jax.decoding.options import DecodeOptions, InferenceError
 from transformer_jax.programs import ProgramStore
 from transformer_jax.workdir import Workdir
 

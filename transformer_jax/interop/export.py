@@ -23,7 +23,7 @@ from absl import logging
 
 from transformer_jax import fs
 from transformer_jax.data.tokenizer import SPM_FILE, SentencePiece
-from transformer_jax.decoding.generation import DecodeOptions
+from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.decoding.translator import Translator
 from transformer_jax.errors import UserError
 from transformer_jax.interop import ctranslate2, huggingface, jax_export

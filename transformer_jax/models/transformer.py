@@ -293,7 +293,7 @@ class LanguageModel(_Shared, nn.Module):
   def decode_step(self, tokens, cache, source=None):
     """tokens: [B, 1], each row's token at cache["index"] -> (logits [B, V] float32 for the
     next one, cache). `source` is unused (no cross-attention): the encoder-decoder model's
-    signature, which the decoders of decoding/generation.py call alike."""
+    signature, which the decoders of decoding/generation.py and prompts.py call alike."""
     logits, cache = self.extend(tokens, cache)
     return logits[:, 0], cache
 

@@ -36,7 +36,8 @@ from transformer_jax.serving import bodies
 from transformer_jax.serving.metrics import Figure
 from transformer_jax.serving.batcher import Kind, NotReady, QueueFull, SlotBatcher
 from transformer_jax.data.tokenizer import EOS
-from transformer_jax.decoding.generation import DecodeOptions, strip
+from transformer_jax.decoding.generation import strip
+from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.decoding.translator import Translator, split_to_fit
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")

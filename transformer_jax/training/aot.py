@@ -284,14 +284,14 @@ def load_train_step(path: str | Path, p_train, state, mesh, batch_size: int, max
 
 
 def _decoder(model, param_shardings, mesh, max_len: int, beam_size: int, platform: str):
-  """translate's decoder (generation.generate) jitted over `mesh`: source rows split over the
+  """translate's decoder (generation.translate_ids) jitted over `mesh`: source rows split over the
   data-parallel devices, parameters placed as in training, beams' rows copied as on
   `platform` (decoding/platforms.py)."""
   import jax
   from transformer_jax import sharding
   from transformer_jax.decoding import platforms
-  from transformer_jax.decoding.generation import generate
-  return jax.jit(functools.partial(generate, model, max_len=max_len + 10, beam_size=beam_size,
+  from transformer_jax.decoding.generation import translate_ids
+  return jax.jit(functools.partial(translate_ids, model, max_len=max_len + 10, beam_size=beam_size,
                                    row_copy=platforms.settings(platform).row_copy),
                  in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.batch_sharding(mesh))

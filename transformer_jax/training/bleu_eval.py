@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax.data.tokenizer import Tokenizers
-from transformer_jax.decoding.generation import encode_sources, generate, strip
+from transformer_jax.decoding.generation import encode_sources, strip, translate_ids
 from transformer_jax.metrics import corpus_bleu
 from transformer_jax.models.transformer import Transformer
 
@@ -27,12 +27,12 @@ class BleuEval:
     rows = -(-len(src) // batch_size) * batch_size
     src = np.concatenate([src, np.repeat(src[:1], rows - len(src), axis=0)])  # Full batches.
     self.batches = src.reshape(-1, batch_size, max_len)
-    self._generate = jax.jit(functools.partial(generate, model, max_len=max_len))
+    self._translate = jax.jit(functools.partial(translate_ids, model, max_len=max_len))
 
   def __call__(self, params) -> tuple[float, list[str]]:
     """-> (BLEU, a few 'source => output [reference]' lines)."""
     # process_allgather: with several hosts the output is a global array.
-    tokens = np.concatenate([multihost_utils.process_allgather(self._generate(params, b),
+    tokens = np.concatenate([multihost_utils.process_allgather(self._translate(params, b),
                                                                tiled=True)
                              for b in self.batches])
     hyps = [self.tokenizers.tgt.decode(strip(t)) for t in tokens[:len(self.pairs)]]
