@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import portpicker
+import pytest
 
 from tests.conftest import DATA, ROOT
 
@@ -42,33 +43,41 @@ def _train_records(workdir):
   return {r["step"]: r for r in records if "train/loss" in r}
 
 
-def test_two_process_training_run(tmp_path, tfds_dir, cache_dir, fra_eng_builder):
-  logs = _train(tmp_path / "w", tfds_dir, cache_dir, 10, processes=2)
-  # Both processes computed the same global evaluation over the 4 devices.
+# A schedule that does not span num_steps: a leg that asks for fewer steps trains the same.
+RSQRT = "--config.optimizer.schedule=rsqrt"
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, tfds_dir, cache_dir, fra_eng_builder):
+  """12 steps of 2 processes x 2 devices, with BLEU: (workdir, each process's log). Also the
+  uninterrupted run that the resumed one is held to."""
+  workdir = tmp_path_factory.mktemp("two_processes") / "w"
+  return workdir, _train(workdir, tfds_dir, cache_dir, 12, processes=2, extra=[RSQRT])
+
+
+def test_two_process_training_run(two_processes):
+  workdir, logs = two_processes
+  # Both processes computed the same global evaluations (losses, BLEU) over the 4 devices.
   evals = [[line.split("] ", 1)[1] for line in log.splitlines() if "eval/loss=" in line]
            for log in logs]
-  assert evals[0] and evals[0] == evals[1]
+  assert evals[0] and evals[0] == evals[1] and all("eval/bleu=" in e for e in evals[0])
   # Only process 0 writes metrics; the data position is one host-independent record.
-  records = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records if "eval/loss" in r] == [10]
-  data = json.loads((tmp_path / "w" / "checkpoints" / "10" / "data" / "metadata").read_text())
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "eval/loss" in r] == [10, 12]
+  data = json.loads((workdir / "checkpoints" / "12" / "data" / "metadata").read_text())
   assert set(data) == {"block", "batch"}
 
 
 def test_resuming_on_another_number_of_processes_or_devices_sees_the_same_batches(
-    tmp_path, tfds_dir, cache_dir, fra_eng_builder):
-  # Each leg ends by asking for fewer steps: a schedule that does not span num_steps.
-  rsqrt = "--config.optimizer.schedule=rsqrt"
-  _train(tmp_path / "straight", tfds_dir, cache_dir, 12, processes=1,
-         extra=[rsqrt, "--config.eval.bleu_sentences=0"])
-  straight = _train_records(tmp_path / "straight")
+    tmp_path, tfds_dir, cache_dir, two_processes):
+  straight = _train_records(two_processes[0])
   # (processes, devices) of three legs of 4 steps each: 2 processes on 4 devices -> 1 process on
   # 1 device -> 2 processes on 4 devices again (fewer and more of both).
   workdir = tmp_path / "moved"
   for i, (processes, devices) in enumerate(((2, 4), (1, 1), (2, 4))):
     logs = _train(workdir, tfds_dir, cache_dir, 4 * (i + 1), processes=processes,
                   devices=devices,
-                  extra=[rsqrt, "--config.run.checkpoint_every=4",
+                  extra=[RSQRT, "--config.run.checkpoint_every=4",
                          "--config.eval.bleu_sentences=0"])
     if i:
       assert f"Resuming from the checkpoint of step {4 * i}" in logs[0]
