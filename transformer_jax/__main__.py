@@ -8,7 +8,7 @@
   average     a new workdir with the mean parameters of a workdir's last checkpoints
   visualize   attention heatmaps of one translation
   aot         compile the training programs for a TPU topology or GPU target without one
-  export      a workdir's model as a CTranslate2 model or serialized jax decoders
+  export      a workdir's model for CTranslate2, jax.export or Hugging Face transformers
   serve       an HTTP server of translations, or of a language model's completions
               (OpenAI's API), decoding concurrent requests together
   download    the corpora and held-out test sets from their public sources

@@ -1,4 +1,5 @@
-"""A run's directory: the one place its layout is spelled, and how a command opens one.
+"""A run's directory: the one place its layout is spelled, and its files read and written
+(config, tokenizer, labels, checkpoints, the writer's lock).
 
   WORKDIR/
     config.json          the config the run trains with (written by train.py)
@@ -10,8 +11,9 @@
     jax_cache/           JAX's compilation cache (unless compilation_cache_dir says otherwise)
     writer.lock          while a run writes the workdir: held by it (its process and host inside)
 
-train.py resumes from one (training/resume.py checks it first); translate, average, visualize
-and the AOT tools open one (decoding/restore.py).
+train.py resumes from one (training/resume.py checks it first); the commands that use a
+trained run (translate, generate, fill, classify, average, visualize, export, serve, aot's
+saved programs) restore it through decoding/restore.py; report reads its two logs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Exports a trained workdir's model: a CTranslate2 model, or serialized jax decoders.
+"""Exports a trained workdir's model: a translation model as a CTranslate2 model or serialized
+jax decoders; a model of any family as a Hugging Face `transformers` directory.
 
   python -m transformer_jax export --workdir runs/fra_eng --to ctranslate2 runs/fra_eng_ct2
   python -m transformer_jax export --workdir runs/fra_eng --to ctranslate2 \

@@ -1,2 +1,3 @@
-"""Decoding: the model-agnostic search (greedy, sampling, beam), slot batching, and the
-translator and completer that run a trained model on text."""
+"""Decoding: the model-agnostic search (greedy, sampling, beam), decoding slots, opening a
+trained run (restore), and one runner per family on text: the translator, the completer
+(prompts.py), the filler and the classifier; options.py is what every command imports."""
