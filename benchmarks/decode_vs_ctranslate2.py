@@ -85,7 +85,8 @@ def main():
   from transformer_jax.decoding import platforms
   from transformer_jax.decoding.inputs import read_lines
   from transformer_jax.decoding.options import DecodeOptions
-  from transformer_jax.decoding.translator import BEAM_BUDGET, Translator, translate_lines
+  from transformer_jax.decoding.lines import BEAM_BUDGET, translate_lines
+  from transformer_jax.decoding.translator import Translator
 
   lines = read_lines(args.input)
   references = read_lines(args.reference) if args.reference else None

@@ -46,7 +46,7 @@ def test_accuracy(workdir: Path, split: str) -> tuple[float, float]:
   import numpy as np
   from transformer_jax.data import documents, labelled, pipeline
   from transformer_jax.decoding.classifier import Classifier
-  from transformer_jax.decoding.translator import split_pairs
+  from transformer_jax.decoding.inputs import split_pairs
   from transformer_jax.workdir import Workdir
   texts, truth = split_pairs(str(workdir), split)
   guessed = Classifier(workdir).classify(texts)

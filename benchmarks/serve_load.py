@@ -235,7 +235,7 @@ def main() -> None:
 
   import portpicker  # noqa: PLC0415 -- test dependency, imported when run.
 
-  from transformer_jax.decoding.translator import split_pairs  # noqa: PLC0415
+  from transformer_jax.decoding.inputs import split_pairs  # noqa: PLC0415
   sources = [s for s in split_pairs(args.workdir, args.split)[0] if s.strip()]
   plan = requests_for(sources, args.clients, args.requests, args.max_sentences)
   sent = sum(len(r) for c in plan for r in c)

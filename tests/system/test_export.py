@@ -16,7 +16,8 @@ from transformer_jax.interop import jax_export
 from transformer_jax.data.tokenizer import BOS, EOS, PAD
 from transformer_jax.decoding.generation import encode_sources, strip
 from transformer_jax.decoding.options import DecodeOptions
-from transformer_jax.decoding.translator import Translator, split_pairs
+from transformer_jax.decoding.inputs import split_pairs
+from transformer_jax.decoding.translator import Translator
 
 
 def _cli(*args):

@@ -14,7 +14,7 @@ import pytest
 from benchmarks import serve_load
 from benchmarks.serve_load import get, metrics, post, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
-from transformer_jax.decoding.translator import split_pairs
+from transformer_jax.decoding.inputs import split_pairs
 from transformer_jax.workdir import Workdir
 
 

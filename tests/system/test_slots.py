@@ -18,7 +18,9 @@ from transformer_jax.decoding import generation, platforms, search, slots, strea
 from transformer_jax.decoding.generation import SPECIALS, encode_sources
 from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.programs import ProgramStore
-from transformer_jax.decoding.translator import Translator, split_pairs, translate_lines
+from transformer_jax.decoding.inputs import split_pairs
+from transformer_jax.decoding.lines import translate_lines
+from transformer_jax.decoding.translator import Translator
 
 
 @pytest.fixture(scope="module")

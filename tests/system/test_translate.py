@@ -62,7 +62,7 @@ def test_split_is_translated_and_scored_against_its_targets(d2l_workdir, tmp_pat
   assert result.returncode == 0, result.stderr[-2000:]
   hypotheses = (tmp_path / "out.txt").read_text().splitlines()
   # The same sentences translated here, in order, and scored against the split's targets.
-  from transformer_jax.decoding.translator import translate_lines
+  from transformer_jax.decoding.lines import translate_lines
   assert hypotheses == translate_lines(Translator(d2l_workdir), [s for s, _ in pairs],
                                        DecodeOptions(beam_size=1), 64, progress=False)
   score, _ = metrics.corpus_bleu(hypotheses, [t for _, t in pairs])
@@ -126,7 +126,7 @@ def test_a_long_source_is_translated_sentence_by_sentence(d2l_workdir, tmp_path)
 
 def test_long_sources_are_decoded_with_the_long_beam(d2l_workdir, fra_eng_builder, tmp_path):
   from transformer_jax.data import sources
-  from transformer_jax.decoding.translator import translate_lines
+  from transformer_jax.decoding.lines import translate_lines
   translator = Translator(d2l_workdir)
   lines = [s for s, _ in sources.pairs(fra_eng_builder, "fra_eng", "validation[:160]")]
   over = 4  # Beam 4 and greedy differ on some of these of 4 tokens (with <eos>) and of 5.

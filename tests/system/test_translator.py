@@ -10,11 +10,12 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer_jax.decoding import search, generation
-from transformer_jax.decoding import translator as translator_lib
+from transformer_jax.decoding import lines as lines_lib
 from transformer_jax.data.tokenizer import EOS, PAD
 from transformer_jax.decoding.generation import encode_sources
 from transformer_jax.decoding.options import DecodeOptions, InferenceError
-from transformer_jax.decoding.translator import Translator, split_pairs
+from transformer_jax.decoding.inputs import split_pairs
+from transformer_jax.decoding.translator import Translator
 
 ALPHA = 0.6
 
@@ -175,13 +176,13 @@ def test_batches_fit_the_row_budget_and_beam_search_gets_twice_it(trained, sourc
     seen.append((options.beam_size, len(texts)))
     return texts
   for beam_size in (1, 4):
-    out = translator_lib._translate_each(
+    out = lines_lib._translate_each(
         translator, lines, [(range(len(lines)), DecodeOptions(beam_size=beam_size))],
         batch_size=64, progress=False, translate=translate, batch_tokens=width * 8)
     assert out == lines  # Every line once, in its place.
   # Greedy: 8 rows of `width` tokens a batch; beam 4: twice the budget, 16 rows = 4 sentences.
   assert {rows for beam, rows in seen if beam == 1} == {8}
-  assert {rows for beam, rows in seen if beam == 4} == {8 * translator_lib.BEAM_BUDGET // 4}
+  assert {rows for beam, rows in seen if beam == 4} == {8 * lines_lib.BEAM_BUDGET // 4}
 
 
 def test_rows_of_different_widths_in_one_batch_decode_as_in_their_own(trained, sources):

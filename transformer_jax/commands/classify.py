@@ -73,7 +73,7 @@ def main(argv):
     run = Workdir(FLAGS.workdir)
     run.check_family("classifier", "classify")
     if FLAGS.split:
-      from transformer_jax.decoding.translator import split_pairs
+      from transformer_jax.decoding.inputs import split_pairs
       texts, truth = split_pairs(FLAGS.workdir, FLAGS.split)
     else:
       texts = [t.replace("\\n", "\n") for t in read_lines(FLAGS.input)]

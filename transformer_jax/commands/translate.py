@@ -39,8 +39,9 @@ from transformer_jax.decoding.search import BEAM_STOPS  # noqa: E402
 from transformer_jax.decoding.options import DecodeOptions, InferenceError  # noqa: E402
 from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
-from transformer_jax.decoding.translator import (  # noqa: E402
-    Translator, n_best_lines, split_pairs, translate_lines)
+from transformer_jax.decoding.inputs import split_pairs  # noqa: E402
+from transformer_jax.decoding.lines import n_best_lines, translate_lines  # noqa: E402
+from transformer_jax.decoding.translator import Translator  # noqa: E402
 from transformer_jax.workdir import Workdir  # noqa: E402
 
 

@@ -1,14 +1,15 @@
 """What the decoding commands read and where they write: the lines of an input file (or standard
-input), and an output path checked before any work. Shared by translate, generate, fill,
-classify and the benchmarks."""
+input), a split of the dataset a run was trained on, and an output path checked before any
+work. Shared by translate, generate, fill, classify, serve's load test and the benchmarks."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from transformer_jax import fs
+from transformer_jax import errors, fs
 from transformer_jax.decoding.options import InferenceError
+from transformer_jax.workdir import Workdir
 
 
 def read_lines(path: str) -> list[str]:
@@ -39,3 +40,25 @@ def check_output_path(path: str) -> None:
   if not p.parent.is_dir():
     raise InferenceError(f"--output {path}: directory {p.parent} does not exist")
   fs.check_writable(p, "--output")
+
+
+def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:
+  """(sources, references) of a split of the dataset a workdir was trained on."""
+  from transformer_jax.data import sources
+  from transformer_jax.data.builders import DatasetError
+  config = Workdir(workdir).load_config().data
+  if config.data_dir and not Path(config.data_dir).is_dir():  # Moved, or another directory.
+    raise InferenceError(
+        f"--split {split} reads the run's corpus, data.data_dir={config.data_dir!r} in its "
+        f"config.json, which is not a directory from {Path.cwd()}: run from where that path "
+        "names the corpus, or translate the split's sources with --input FILE")
+  try:
+    builder = sources.prepare_config(config)
+    pairs = sources.pairs(builder, config.dataset, split)
+  except (DatasetError, FileNotFoundError, ValueError, KeyError) as e:
+    raise InferenceError(f"--split {split} of {config.dataset} (data_dir="
+                         f"{config.data_dir!r}) cannot be read: {errors.first_line(e)}"
+                         ) from None
+  if not pairs:
+    raise InferenceError(f"--split {split} of {config.dataset} is empty")
+  return [s for s, _ in pairs], [t for _, t in pairs]

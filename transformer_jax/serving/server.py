@@ -38,7 +38,8 @@ from transformer_jax.serving.batcher import Kind, NotReady, QueueFull, SlotBatch
 from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding.generation import strip
 from transformer_jax.decoding.options import DecodeOptions
-from transformer_jax.decoding.translator import Translator, split_to_fit
+from transformer_jax.decoding.lines import split_to_fit
+from transformer_jax.decoding.translator import Translator
 
 FIELDS = ("sentences", "beam_size", "alpha", "n_best", "id")
 MAX_ALPHA = 2.0
