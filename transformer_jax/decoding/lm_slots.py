@@ -93,7 +93,7 @@ class LanguageSlots:
   whose tokenizer has `vocab` ids."""
 
   def __init__(self, model: LanguageModel, params, slots: int, max_len: int, vocab: int,
-               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
+               programs: ProgramStore | None = None, min_rows_fraction: int | None = None,
                prompt_chunks: tuple[int, ...] = ()):
     self.model, self.params, self.slots, self.max_len, self.vocab = (
         model, params, slots, max_len, vocab)
@@ -102,6 +102,7 @@ class LanguageSlots:
     chunks = prompt_chunks or platforms.settings(jax.default_backend()).prompt_chunks
     self.chunks = tuple(sorted({max(1, min(c, max_len - 2)) for c in chunks}))
     describe = repr((model.cfg, slots, max_len, vocab, self.chunks))
+    programs = ProgramStore(None) if programs is None else programs  # None: nothing kept.
     jit = functools.partial(programs.jit, describe=describe)
     self._admit = jit("lm_slots_admit", fn=self._admit_fn, donate_argnums=0)
     self._runs = {rows: jit(f"lm_slots_run_{rows}", fn=functools.partial(self._run_fn, rows=rows),

@@ -38,11 +38,12 @@ def open_run(run: Workdir) -> Opened:
 
 def read_params(run: Workdir, model: Transformer | LanguageModel, mesh, key: str = "params",
                 step: int | None = None,
-                programs: ProgramStore = ProgramStore(None)) -> tuple[int, object]:
+                programs: ProgramStore | None = None) -> tuple[int, object]:
   """(step, parameters) of a checkpoint of `run`, sharded over `mesh` by their logical names:
   `step`'s, or the newest that reads back and verifies. `key`: "params" or "ema_params".
   `programs`: where the model's abstract parameters are kept for later commands (tracing its
-  init takes about 0.5 s on a CPU)."""
+  init takes about 0.5 s on a CPU; None: not kept)."""
+  programs = ProgramStore(None) if programs is None else programs
   abstract = programs.value("abstract_params", repr((type(model).__name__, model.cfg)),
                             lambda: build.abstract_params(model))
   ckpt = run.checkpointer(read_only=True)
@@ -68,7 +69,7 @@ class Restored:
 
 def restore(workdir: str | Path, kind: str | None = None, command: str = "",
             step: int | None = None, ema: bool = True,
-            programs: ProgramStore = ProgramStore(None), mesh=None) -> Restored:
+            programs: ProgramStore | None = None, mesh=None) -> Restored:
   """`workdir` opened, its model checked to be of `kind` (a model.family or "classifier", which
   `command` needs; None: any), and the parameters of `step`'s checkpoint (default the newest
   that verifies) sharded over `mesh` (default: this machine's devices, replicated): their

@@ -147,7 +147,7 @@ class SlotDecoder:
   def __init__(self, model: SlotModel, params, slots: int, width: int, max_len: int,
                specials: search.Specials, beam_size: int = 1, alpha: float = 0.6,
                sampler=search.Greedy(), rng: jax.Array | None = None, beam_stop: str = "exact",
-               programs: ProgramStore = ProgramStore(None), min_rows_fraction: int | None = None,
+               programs: ProgramStore | None = None, min_rows_fraction: int | None = None,
                row_copy: str | None = None, encode_tokens: int | None = None,
                scores: bool = True, run_ratio: int = RUN_RATIO["server"]):
     """`programs`: where the compiled programs are kept for a later process (default: not).
@@ -168,6 +168,7 @@ class SlotDecoder:
     describe = repr((model.describe, slots, width, max_len, beam_size, beam_stop, sampler,
                      np.asarray(jax.random.key_data(self.rng)).tolist(), specials,
                      self.row_copy, self.scores))
+    programs = ProgramStore(None) if programs is None else programs
     jit = functools.partial(programs.jit, describe=describe)
     # The encoder's programs depend on the model, the width and the chunk size alone: decoders
     # of the same width share them (a server's beam sizes).

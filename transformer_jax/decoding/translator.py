@@ -28,7 +28,7 @@ class Translator:
   vocabulary: an ensemble) and translates batches of sentences."""
 
   def __init__(self, workdir: str | Path | Sequence[str | Path], step: int | None = None,
-               ema: bool = True, programs: ProgramStore = ProgramStore(None),
+               ema: bool = True, programs: ProgramStore | None = None,
                platform: str | None = None):
     """`workdir`: one, or several decoded as an ensemble (their log-probabilities averaged at
     every step); the first gives the config (max_len, decoding defaults). `step`: the
@@ -37,7 +37,7 @@ class Translator:
     decoding slots' compiled programs are kept for later commands. `platform`: whose slot
     settings (lanes, width classes, run sizes) decode_slots uses, default the device's ("cpu",
     "gpu" or "tpu"; a CPU can run an accelerator's)."""
-    self.programs = programs
+    self.programs = ProgramStore(None) if programs is None else programs  # None: nothing kept.
     workdirs = [workdir] if isinstance(workdir, (str, Path)) else list(workdir)
     if not workdirs:
       raise InferenceError("no workdir given")
