@@ -56,7 +56,7 @@ def prompts_for(workdir: str, data_dir: str, count: int, seed: int = 0,
   validation works in `data_dir` (the works the run held out); every 1 / long_share-th (where
   positive) instead `long_tokens` tokens of those works' running text from a random line."""
   from transformer_jax.data import builders
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   tokenizer = Workdir(workdir).tokenizers().tgt
   works = builders.read_documents(Path(data_dir))
   held_out = builders.document_splits(list(works))["validation"]
@@ -155,7 +155,7 @@ def main() -> None:
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   name = Path(args.workdir).absolute().name
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   long_tokens = Workdir(args.workdir).load_config().data.max_len - args.max_tokens - 8
   prompts = prompts_for(args.workdir, args.data_dir, args.clients * args.requests,
                         long_share=args.long_share, long_tokens=long_tokens)
@@ -227,7 +227,7 @@ def main() -> None:
 
 def first_token_times(args, name: str, logs: Path | None) -> dict:
   """The first_token mode: {prompt tokens: median ms to the first piece of text}."""
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   max_len = Workdir(args.workdir).load_config().data.max_len
   port = portpicker.pick_unused_port()
   log = open(logs / "first_token.log" if logs else os.devnull, "w")

@@ -47,7 +47,7 @@ def test_accuracy(workdir: Path, split: str) -> tuple[float, float]:
   from transformer_jax.data import documents, labelled, pipeline
   from transformer_jax.decoding.classifier import Classifier
   from transformer_jax.decoding.inputs import split_pairs
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   texts, truth = split_pairs(str(workdir), split)
   guessed = Classifier(workdir).classify(texts)
   data_cfg = Workdir(workdir).load_config().data

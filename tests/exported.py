@@ -37,7 +37,7 @@ def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def our_outputs(workdir: Path, *ids: np.ndarray) -> np.ndarray:
   """The workdir's model (the parameters it decodes with) on [B, T] ids (0 = padding; a
   translation model: sources and decoder inputs): logits, float32."""
-  from transformer_jax.decoding import restore
+  from transformer_jax.runs import restore
   run = restore.restore(workdir)
   return np.asarray(jax.jit(run.model.apply)({"params": run.params},
                                              *(x.astype(np.int32) for x in ids)))

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer_jax import checkpoint
-from transformer_jax.decoding.restore import open_run
-from transformer_jax.workdir import Workdir, WorkdirError
+from transformer_jax.runs.restore import open_run
+from transformer_jax.runs.workdir import Workdir, WorkdirError
 from transformer_jax.training.average import AverageError, average_checkpoints, state_of
 from transformer_jax.decoding.translator import Translator
 

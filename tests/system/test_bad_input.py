@@ -13,7 +13,7 @@ import pytest
 
 from transformer_jax import config as config_lib
 from transformer_jax.training import steps as step_lib, trainer
-from transformer_jax.workdir import WorkdirError
+from transformer_jax.runs.workdir import WorkdirError
 from tests import runs
 from tests.conftest import DATA, ROOT
 from transformer_jax.data import builders

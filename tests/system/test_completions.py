@@ -111,7 +111,7 @@ def test_logprobs_end_at_a_stop_string_and_count_characters(client):
 
 
 def test_n_echo_logprobs_and_usage(client, lm_run):
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   tokenizer = Workdir(lm_run).tokenizers().tgt
   r = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=6, temperature=1.0,
                                 n=3, seed=5, logprobs=2, echo=True)

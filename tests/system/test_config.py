@@ -11,7 +11,7 @@ from transformer_jax import config as config_lib
 from transformer_jax.models import build
 from transformer_jax.training import checks
 from transformer_jax.training.resume import check_resumable, check_same_model
-from transformer_jax.workdir import Workdir, WorkdirError
+from transformer_jax.runs.workdir import Workdir, WorkdirError
 
 pytestmark = pytest.mark.quick  # In the edit-loop subset: pytest -m quick.
 

@@ -368,10 +368,10 @@ def test_fine_tuning_takes_the_encoder_and_starts_the_head_afresh(mlm_run):
   """finetune.start_from in this process: the encoder equals the pretrained run's, bit for bit;
   the head is the fresh state's; the masked-LM head is not carried over."""
   from transformer_jax import sharding
-  from transformer_jax.decoding import restore as trained
+  from transformer_jax.runs import restore as trained
   from transformer_jax.models import build
   from transformer_jax.training import finetune
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   source = Workdir(mlm_run)
   config, tokenizers, mlm = trained.open_run(source)
   model = build.build_model(build.model_config(config.model, tokenizers.src.vocab_size,
@@ -521,7 +521,7 @@ def test_a_masked_language_model_exports_to_bert_with_the_same_ids_and_logits(ml
 def test_a_classifier_exports_to_bert_with_its_labels_and_the_same_logits(genre_run, tmp_path):
   from transformers import AutoConfig, AutoTokenizer
   from tests import exported
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   workdir, _ = genre_run
   out = tmp_path / "hf"
   exported.export(workdir, out)
@@ -547,7 +547,7 @@ def test_export_refuses_an_encoder_without_berts_embedding_norm(mlm_run, tmp_pat
 
 
 def test_a_damaged_labels_file_is_one_line(genre_run, tmp_path):
-  from transformer_jax.workdir import Workdir, WorkdirError
+  from transformer_jax.runs.workdir import Workdir, WorkdirError
   workdir, _ = genre_run
   (tmp_path / "config.json").write_bytes((workdir / "config.json").read_bytes())
   for damaged in ('["comedy", "hist', '{"comedy": 0}'):

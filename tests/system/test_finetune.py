@@ -18,8 +18,8 @@ from transformer_jax.training import finetune, steps as step_lib, trainer
 from transformer_jax.training.finetune import InitFromError
 from transformer_jax.models.transformer import Transformer
 from transformer_jax.decoding.translator import Translator
-from transformer_jax.decoding.restore import open_run
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.restore import open_run
+from transformer_jax.runs.workdir import Workdir
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ def test_train_refuses_a_hugging_face_model_folder(trained, tmp_path):
   and replaced that file, which `from_pretrained` then could not read. GPT-2's through
   train.py; BERT's and Marian's by the same check in this process."""
   import transformers
-  from transformer_jax.workdir import Workdir, WorkdirError
+  from transformer_jax.runs.workdir import Workdir, WorkdirError
   for other in ("BertConfig", "MarianConfig"):
     getattr(transformers, other)(vocab_size=1000).save_pretrained(tmp_path / other)
     with pytest.raises(WorkdirError, match="it is a Hugging Face model's config, model_type"):
@@ -189,7 +189,7 @@ def test_ctrl_c_during_export_exits_130_and_writes_nothing(run_copy):
 
 
 def test_a_directory_of_hidden_files_or_a_stopped_runs_files_is_a_run(tmp_path):
-  from transformer_jax.workdir import Workdir, WorkdirError
+  from transformer_jax.runs.workdir import Workdir, WorkdirError
   (tmp_path / ".DS_Store").write_text("finder")
   (tmp_path / "tokenizer.model").write_text("written before config.json")
   (tmp_path / "events.out.tfevents.1.host").write_text("")

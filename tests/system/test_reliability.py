@@ -25,8 +25,8 @@ from tests.conftest import DATA, ROOT
 from transformer_jax import checkpoint, sharding
 from transformer_jax.training import goodput, steps as step_lib, trainer
 from transformer_jax.training.average import state_of
-from transformer_jax.decoding.restore import open_run
-from transformer_jax.workdir import Workdir, WorkdirError
+from transformer_jax.runs.restore import open_run
+from transformer_jax.runs.workdir import Workdir, WorkdirError
 from transformer_jax.decoding.translator import Translator
 
 NUM_STEPS = 30

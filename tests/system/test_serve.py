@@ -15,7 +15,7 @@ from benchmarks import serve_load
 from benchmarks.serve_load import get, metrics, post, start_server, stop_server, wait_ready
 from tests.conftest import ROOT
 from transformer_jax.decoding.inputs import split_pairs
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from transformer_jax import metrics
 from transformer_jax.training import trainer
 from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.decoding.translator import Translator
-from transformer_jax.workdir import Workdir, WorkdirError
+from transformer_jax.runs.workdir import Workdir, WorkdirError
 
 
 @pytest.fixture(scope="module")

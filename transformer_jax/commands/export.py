@@ -19,7 +19,7 @@ from absl import app, flags  # noqa: E402
 from transformer_jax import errors  # noqa: E402
 from transformer_jax.commands import launch
 from transformer_jax.interop.export import FORMATS, ExportError, export  # noqa: E402
-from transformer_jax.workdir import Workdir  # noqa: E402
+from transformer_jax.runs.workdir import Workdir  # noqa: E402
 
 
 def define_flags() -> None:

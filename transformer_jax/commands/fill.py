@@ -23,7 +23,7 @@ from transformer_jax import errors, fs  # noqa: E402
 from transformer_jax.commands import launch  # noqa: E402
 from transformer_jax.decoding.inputs import check_output_path, read_lines  # noqa: E402
 from transformer_jax.decoding.options import InferenceError  # noqa: E402
-from transformer_jax.workdir import Workdir  # noqa: E402
+from transformer_jax.runs.workdir import Workdir  # noqa: E402
 
 
 def define_flags():

@@ -26,7 +26,7 @@ from transformer_jax.commands import launch
 from transformer_jax.decoding import search
 from transformer_jax.decoding.inputs import check_output_path, read_lines  # noqa: E402
 from transformer_jax.decoding.options import InferenceError  # noqa: E402
-from transformer_jax.workdir import Workdir  # noqa: E402
+from transformer_jax.runs.workdir import Workdir  # noqa: E402
 
 
 def define_flags():

@@ -121,7 +121,7 @@ def use_compilation_cache(workdir: str | Path, directory: str | None = None) -> 
   directory; None, with one warning, where it cannot be written (a read-only workdir): the
   command then compiles without it (jax would warn at every program)."""
   from transformer_jax import fs
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.runs.workdir import Workdir
   run_dir = Workdir(workdir)
   path = Path(directory or run_dir.load_config().run.compilation_cache_dir or run_dir.jax_cache)
   try:

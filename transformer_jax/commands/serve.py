@@ -149,7 +149,7 @@ def main(argv):
       raise ServeError(f"serve needs the serve extra ({e.name} is not installed): pip install "
                        "'.[serve]' in the project's folder") from None
     from transformer_jax.programs import ProgramStore
-    from transformer_jax.workdir import Workdir
+    from transformer_jax.runs.workdir import Workdir
     for workdir in FLAGS.workdir:
       Workdir(workdir).check_family(("encoder_decoder", "decoder_only"), "serve")
     language = Workdir(FLAGS.workdir[0]).model_kind() == "decoder_only"
@@ -215,7 +215,7 @@ def _guarded(app_, FLAGS, language: bool):
   """The app behind serving/guard.py's checks: the API key, the Host names, JSON bodies."""
   from transformer_jax.serving import guard
   if language:
-    from transformer_jax.serving.completions import refusal
+    from transformer_jax.serving.openai_requests import refusal
   else:
     from transformer_jax.serving.server import refusal
   key = FLAGS.api_key if FLAGS.api_key is not None else os.environ.get("TRANSFORMER_JAX_API_KEY")
@@ -250,16 +250,17 @@ def _completions_app(FLAGS, slots, programs):
   import jax
   from transformer_jax.decoding import platforms
   from transformer_jax.decoding.completer import Completer
-  from transformer_jax.serving import completions
+  from transformer_jax.serving import completions, openai_requests
   completer = Completer(FLAGS.workdir[0], FLAGS.step, ema=FLAGS.ema, command="serve")
   if slots < 0:
     slots = platforms.settings(jax.default_backend()).slots(1)
-  limits = completions.Limits(
+  limits = openai_requests.Limits(
       max_queue=FLAGS.max_queue, max_request_bytes=FLAGS.max_request_bytes,
       max_sequences=FLAGS.max_sentences, max_prompt_chars=FLAGS.max_sentence_chars,
       read_timeout=FLAGS.read_timeout)
   name = FLAGS.model_name or Path(FLAGS.workdir[0]).absolute().name
-  return completions.create_app(completions.Service(completer, slots, limits, name, programs))
+  return completions.create_app(
+      openai_requests.Service(completer, slots, limits, name, programs))
 
 
 def run() -> None:

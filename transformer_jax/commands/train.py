@@ -40,7 +40,7 @@ def main(argv):
       raise errors.UserError("--workdir is required (and --config, for a new run)")
     config = F.config
     if config is None:  # A run resumed with its own config.json (nothing else is read again).
-      from transformer_jax.workdir import Workdir
+      from transformer_jax.runs.workdir import Workdir
       run = Workdir(F.workdir)
       if not run.config_file.is_file():
         raise errors.UserError(f"{F.workdir} holds no config.json of a run to resume: a new "

@@ -42,7 +42,7 @@ from transformer_jax.programs import ProgramStore  # noqa: E402
 from transformer_jax.decoding.inputs import split_pairs  # noqa: E402
 from transformer_jax.decoding.lines import n_best_lines, translate_lines  # noqa: E402
 from transformer_jax.decoding.translator import Translator  # noqa: E402
-from transformer_jax.workdir import Workdir  # noqa: E402
+from transformer_jax.runs.workdir import Workdir  # noqa: E402
 
 
 def format_n_best(lists: list[list[tuple[float, str]]]) -> str:

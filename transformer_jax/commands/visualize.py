@@ -43,7 +43,7 @@ def main(argv):
       raise InferenceError(f"--out {FLAGS.out} already holds {', '.join(taken[:3])}"
                            f"{', ...' if len(taken) > 3 else ''}: name a new directory, or "
                            "move those away")
-    from transformer_jax.workdir import Workdir
+    from transformer_jax.runs.workdir import Workdir
     Workdir(FLAGS.workdir).check_family("encoder_decoder", "visualize")
     from transformer_jax.decoding import heatmaps  # matplotlib and the model load after the checks.
     translator = heatmaps.Translator(FLAGS.workdir, FLAGS.step)

@@ -13,7 +13,7 @@ from absl import logging
 
 from transformer_jax.data.tokenizer import BOS
 from transformer_jax.decoding.options import InferenceError
-from transformer_jax.decoding import restore
+from transformer_jax.runs import restore
 
 ROWS = 64  # Texts a call of the model reads.
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.data.tokenizer import BOS, EOS
-from transformer_jax.decoding import restore, search
+from transformer_jax.decoding import search
+from transformer_jax.runs import restore
 from transformer_jax.decoding.options import InferenceError
 from transformer_jax.decoding.prompts import continue_prompts
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import UNK
 from transformer_jax.decoding.options import InferenceError
-from transformer_jax.decoding import restore
+from transformer_jax.runs import restore
 from transformer_jax.models import build
 
 MASK = "[MASK]"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformer_jax import errors, fs
 from transformer_jax.decoding.options import InferenceError
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir
 
 
 def read_lines(path: str) -> list[str]:

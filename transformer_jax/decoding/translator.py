@@ -15,12 +15,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from transformer_jax.decoding import platforms, restore, slots, streams
+from transformer_jax.decoding import platforms, slots, streams
 from transformer_jax.data.catalog import DATASETS
 from transformer_jax.decoding.generation import SPECIALS, encode_sources, scored, slot_model, strip
 from transformer_jax.decoding.options import DecodeOptions, InferenceError
 from transformer_jax.programs import ProgramStore
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs import restore
+from transformer_jax.runs.workdir import Workdir
 
 
 class Translator:

@@ -28,7 +28,7 @@ from transformer_jax.decoding.translator import Translator
 from transformer_jax.errors import UserError
 from transformer_jax.interop import ctranslate2, huggingface, jax_export
 from transformer_jax.interop.ctranslate2 import QUANTIZATIONS
-from transformer_jax.workdir import MODEL_KINDS, Workdir, check_outside_runs
+from transformer_jax.runs.workdir import MODEL_KINDS, Workdir, check_outside_runs
 
 FORMATS = ("ctranslate2", "jax", "huggingface")
 

@@ -83,12 +83,12 @@ from flax import traverse_util
 from transformer_jax import errors, fs
 from transformer_jax.data.tokenizer import (BOS, EOS, NEW, PAD, UNK, HuggingFaceTokenizer,
                                             SentencePiece, Tokenizers)
-from transformer_jax.decoding import restore
+from transformer_jax.runs import restore
 from transformer_jax.errors import UserError
 from transformer_jax.interop import tables
 from transformer_jax.models import build
 from transformer_jax.models.common import sinusoidal_positions
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir
 
 ARCHITECTURES = {"GPT2LMHeadModel": "decoder_only", "BertForMaskedLM": "encoder_only"}
 # Their activation names -> model.activation (gelu_new is GELU's tanh approximation).

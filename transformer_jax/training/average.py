@@ -24,8 +24,8 @@ from absl import logging
 from transformer_jax import checkpoint, errors, fs, sharding
 from transformer_jax.training import steps as step_lib
 from transformer_jax.errors import UserError
-from transformer_jax.decoding.restore import Opened, open_run
-from transformer_jax.workdir import Workdir, check_outside_runs
+from transformer_jax.runs.restore import Opened, open_run
+from transformer_jax.runs.workdir import Workdir, check_outside_runs
 
 
 class AverageError(UserError, ValueError):

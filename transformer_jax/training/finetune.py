@@ -23,10 +23,10 @@ from absl import logging
 
 from transformer_jax import config as config_lib
 from transformer_jax.errors import UserError
-from transformer_jax.decoding import restore
+from transformer_jax.runs import restore
 from transformer_jax.interop import huggingface
 from transformer_jax.models import build
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir
 
 # Model fields that change what is computed but not the parameters' names or shapes.
 FREE_MODEL_FIELDS = ("dropout_rate", "dtype", "attention_impl", "remat")

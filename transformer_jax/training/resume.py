@@ -11,7 +11,7 @@ from absl import logging
 
 from transformer_jax import config as config_lib
 from transformer_jax.training.steps import learning_rate_schedule
-from transformer_jax.workdir import CONFIG, Workdir, WorkdirError
+from transformer_jax.runs.workdir import CONFIG, Workdir, WorkdirError
 
 
 def check_resumable(run: Workdir, cfg: config_lib.Config) -> None:

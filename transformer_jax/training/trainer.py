@@ -21,7 +21,7 @@ from transformer_jax.training import (aot, checks, finetune, goodput, preemption
 from transformer_jax.training.bleu_eval import BleuEval
 from transformer_jax.data import documents, labelled, pipeline
 from transformer_jax.data.catalog import DATASETS
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.Config,

@@ -13,7 +13,7 @@
 
 train.py resumes from one (training/resume.py checks it first); the commands that use a
 trained run (translate, generate, fill, classify, average, visualize, export, serve, aot's
-saved programs) restore it through decoding/restore.py; report reads its two logs.
+saved programs) restore it through runs/restore.py; report reads its two logs.
 """
 
 from __future__ import annotations

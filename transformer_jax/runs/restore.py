@@ -16,7 +16,7 @@ from transformer_jax.data.tokenizer import Tokenizers
 from transformer_jax.models import build
 from transformer_jax.models.transformer import LanguageModel, Transformer
 from transformer_jax.programs import ProgramStore
-from transformer_jax.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir
 
 
 class Opened(NamedTuple):
