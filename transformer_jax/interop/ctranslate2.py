@@ -17,7 +17,7 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import BOS, EOS, UNK
 from transformer_jax.decoding.translator import Translator
-from transformer_jax.models import build
+from transformer_jax.interop import tables
 from transformer_jax.models.common import sinusoidal_positions
 
 CT2_DEFAULT_POSITIONS = 1025  # Positions CTranslate2's default length limits can reach.
@@ -59,18 +59,10 @@ def write(translator: Translator, out: Path, quantization: str | None) -> None:
   if cfg.pre_ln:
     _norm(spec.encoder.layer_norm, params["encoder_norm"])
     _norm(spec.decoder.layer_norm, params["decoder_norm"])
-  encoder = build.layer_params(params, "encoder", cfg.num_encoder_layers)
-  for layer, p in zip(spec.encoder.layer, encoder):
-    _attention(layer.self_attention, p["self_attention"], ("query", "key", "value"))
-    _norm(layer.self_attention.layer_norm, p["attention_sublayer"]["norm"])
-    _ffn(layer.ffn, p)
-  decoder = build.layer_params(params, "decoder", cfg.num_decoder_layers)
-  for layer, p in zip(spec.decoder.layer, decoder):
-    _attention(layer.self_attention, p["self_attention"], ("query", "key", "value"))
-    _norm(layer.self_attention.layer_norm, p["self_attention_sublayer"]["norm"])
-    _attention(layer.attention, p["cross_attention"], ("query",), ("key", "value"))
-    _norm(layer.attention.layer_norm, p["cross_attention_sublayer"]["norm"])
-    _ffn(layer.ffn, p)
+  # The layers by the shared table (a model without attention biases gets zero ones).
+  layers = tables.to_theirs(tables.CTRANSLATE2_LAYERS, tables.complete(cfg, params), cfg)
+  for name, value in layers.items():
+    _set(spec, name, value)
   spec.register_source_vocabulary(_padded(pieces, cfg.src_vocab_size))
   spec.register_target_vocabulary(_padded(translator.tokenizers.tgt.pieces(),
                                           cfg.tgt_vocab_size))
@@ -84,30 +76,13 @@ def _padded(pieces: list[str], size: int) -> list[str]:
   return pieces + [f"<unused{i}>" for i in range(len(pieces), size)]
 
 
-def _linear(spec, kernel: np.ndarray, bias: np.ndarray | None) -> None:
-  """A [in, out] kernel as CTranslate2's [out, in] weight."""
-  spec.weight = np.ascontiguousarray(kernel.T)
-  if bias is not None:
-    spec.bias = bias
-
-
-def _attention(spec, p: dict, *groups: tuple[str, ...]) -> None:
-  """Attention projections into CTranslate2's linears: each group of ours (query, key, value
-  kernels [D, N, H]) fused into one linear, in order, then the output projection."""
-  d = p["out_kernel"].shape[-1]
-  for linear, names in zip(spec.linear, groups):
-    kernel = np.concatenate([p[f"{n}_kernel"].reshape(d, -1) for n in names], axis=1)
-    bias = (np.concatenate([p[f"{n}_bias"].reshape(-1) for n in names])
-            if f"{names[0]}_bias" in p else None)
-    _linear(linear, kernel, bias)
-  _linear(spec.linear[-1], p["out_kernel"].reshape(-1, d), p.get("out_bias"))
+def _set(spec, name: str, value: np.ndarray) -> None:
+  """Sets the spec's attribute `name` (dotted, list items by number: `encoder.layer.0....`)."""
+  *path, leaf = name.split(".")
+  for part in path:
+    spec = spec[int(part)] if part.isdigit() else getattr(spec, part)
+  setattr(spec, leaf, value)
 
 
 def _norm(spec, p: dict) -> None:
   spec.gamma, spec.beta = p["scale"], p["bias"]
-
-
-def _ffn(spec, p: dict) -> None:
-  _norm(spec.layer_norm, p["ffn_sublayer"]["norm"])
-  _linear(spec.linear_0, p["ffn"]["wi"]["kernel"], p["ffn"]["wi"]["bias"])
-  _linear(spec.linear_1, p["ffn"]["wo"]["kernel"], p["ffn"]["wo"]["bias"])

@@ -87,7 +87,6 @@ from transformer_jax.runs import restore
 from transformer_jax.errors import UserError
 from transformer_jax.interop import tables
 from transformer_jax.models import build
-from transformer_jax.models.common import sinusoidal_positions
 from transformer_jax.runs.workdir import Workdir
 
 ARCHITECTURES = {"GPT2LMHeadModel": "decoder_only", "BertForMaskedLM": "encoder_only"}
@@ -322,30 +321,6 @@ def refusal(workdir: str | Path) -> str | None:
   return None
 
 
-def _complete(cfg, params) -> dict:
-  """Our parameters as an unscanned model names them, with what the formats always hold: the
-  position table's values (a sinusoid's at 0 .. max_len - 1, where ours are fixed) and zeros
-  for the attention biases a model without them (model.attention_bias=False) lacks."""
-  out = {name: value for name, value in params.items() if not name.endswith("_stack")}
-  for prefix, count in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
-    for i, layer in enumerate(build.layer_params(params, prefix, count)):
-      layer = dict(layer)
-      for name in ("self_attention", "cross_attention"):
-        if name in layer:
-          layer[name] = {**_zero_biases(cfg), **layer[name]}
-      out[f"{prefix}_{i}"] = layer
-  if cfg.positions != "learned":
-    out["position_embedding"] = np.asarray(
-        sinusoidal_positions(np.arange(cfg.max_len)[None], cfg.d_model)[0])
-  return out
-
-
-def _zero_biases(cfg) -> dict[str, np.ndarray]:
-  heads = (cfg.num_heads, cfg.d_model // cfg.num_heads)
-  return {**{f"{kind}_bias": np.zeros(heads, np.float32) for kind in ("query", "key", "value")},
-          "out_bias": np.zeros(cfg.d_model, np.float32)}
-
-
 def _gpt2(cfg, params) -> tuple[dict, dict]:
   config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": cfg.tgt_vocab_size, "n_positions": cfg.max_len, "n_embd": cfg.d_model,
@@ -502,7 +477,7 @@ def export(workdir: str | Path, output: Path, step: int | None = None) -> None:
   restored = restore.restore(workdir, step=step)
   kind, labels = restored.run.model_kind(), restored.run.labels()
   cfg, tokenizers, step = restored.model.cfg, restored.tokenizers, restored.step
-  params = _complete(cfg, jax.device_get(restored.params))
+  params = tables.complete(cfg, jax.device_get(restored.params))
   if kind == "decoder_only":
     weights, hf_config = _gpt2(cfg, params)
   elif kind == "encoder_decoder":

@@ -1,4 +1,5 @@
-"""One table of parameter names per architecture, that export and import both read.
+"""One table of parameter names per architecture, that export and import both read (CTranslate2's
+layers: export only).
 
 A `Rule` ties parameters of ours (paths in the model's tree, `/`-separated) to one tensor of
 another format through a `Transform` and its inverse: export reads the table left to right,
@@ -18,6 +19,9 @@ import dataclasses
 from typing import Callable
 
 import numpy as np
+
+from transformer_jax.models import build
+from transformer_jax.models.common import sinusoidal_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +62,11 @@ HEADS_BIAS = Transform(lambda xs, cfg: xs[0].reshape(cfg.d_model),
                        lambda y, cfg: [y.reshape(_heads(cfg)[1:])])
 
 
-def joined(part: Transform, axis: int) -> Transform:
-  """Several of ours, each through `part`, side by side along `axis` of one tensor of theirs
-  (GPT-2's query | key | value)."""
+def joined(part: Transform, axis: int, parts: int = 3) -> Transform:
+  """`parts` of ours, each through `part`, side by side along `axis` of one tensor of theirs
+  (GPT-2's query | key | value; CTranslate2's key | value of cross-attention)."""
   def to_ours(y, cfg):
-    return [part.to_ours(x, cfg)[0] for x in np.split(y, 3, axis=axis)]
+    return [part.to_ours(x, cfg)[0] for x in np.split(y, parts, axis=axis)]
   return Transform(lambda xs, cfg: np.concatenate([part.to_theirs([x], cfg) for x in xs], axis),
                    to_ours)
 
@@ -183,6 +187,67 @@ MARIAN = Table(
         *norm("self_attention_sublayer/norm", "self_attn_layer_norm"),
         *attention("cross_attention", "encoder_attn", _MARIAN_ATTENTION, LINEAR),
         *norm("cross_attention_sublayer/norm", "encoder_attn_layer_norm"), *_MARIAN_FFN))))
+
+
+def _ct2_norm(ours: str, theirs: str) -> tuple[Rule, Rule]:
+  return rule(f"{ours}/scale", f"{theirs}.gamma"), rule(f"{ours}/bias", f"{theirs}.beta")
+
+
+def _ct2_attention(ours: str, theirs: str, groups: tuple[tuple[str, ...], ...]) -> tuple:
+  """Our projections as CTranslate2's linears ([out, in] weights): each group of ours (query,
+  key, value) fused into one linear, in order, then the output projection."""
+  rules = []
+  for i, names in enumerate(groups):
+    rules += [rule(tuple(f"{ours}/{n}_kernel" for n in names), f"{theirs}.linear.{i}.weight",
+                   joined(HEADS_IN.then(LINEAR), axis=0, parts=len(names))),
+              rule(tuple(f"{ours}/{n}_bias" for n in names), f"{theirs}.linear.{i}.bias",
+                   joined(HEADS_BIAS, axis=0, parts=len(names)))]
+  n = len(groups)
+  return (*rules, rule(f"{ours}/out_kernel", f"{theirs}.linear.{n}.weight",
+                       HEADS_OUT.then(LINEAR)),
+          rule(f"{ours}/out_bias", f"{theirs}.linear.{n}.bias"))
+
+
+_CT2_FFN = (*_ct2_norm("ffn_sublayer/norm", "ffn.layer_norm"),
+            *linear("ffn/wi", "ffn.linear_0"), *linear("ffn/wo", "ffn.linear_1"))
+_QKV = (("query", "key", "value"),)
+# CTranslate2's Transformer spec, named by its attributes (`encoder.layer.0.ffn.linear_0.weight`):
+# the layers (the embeddings, positions, output and final norms are no renaming:
+# ctranslate2.py writes them).
+CTRANSLATE2_LAYERS = Table(rules=(), stacks=(
+    Stack("encoder", "encoder.layer.{i}", "num_encoder_layers", (
+        *_ct2_attention("self_attention", "self_attention", _QKV),
+        *_ct2_norm("attention_sublayer/norm", "self_attention.layer_norm"), *_CT2_FFN)),
+    Stack("decoder", "decoder.layer.{i}", "num_decoder_layers", (
+        *_ct2_attention("self_attention", "self_attention", _QKV),
+        *_ct2_norm("self_attention_sublayer/norm", "self_attention.layer_norm"),
+        *_ct2_attention("cross_attention", "attention", (("query",), ("key", "value"))),
+        *_ct2_norm("cross_attention_sublayer/norm", "attention.layer_norm"), *_CT2_FFN))))
+
+
+def complete(cfg, params) -> dict:
+  """Our parameters as an unscanned model names them, with what the formats always hold: the
+  position table's values (a sinusoid's at 0 .. max_len - 1, where ours are fixed) and zeros
+  for the attention biases a model without them (model.attention_bias=False) lacks."""
+  out = {name: value for name, value in params.items() if not name.endswith("_stack")}
+  for prefix, count in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+    for i, layer in enumerate(build.layer_params(params, prefix, count)):
+      layer = dict(layer)
+      for name in ("self_attention", "cross_attention"):
+        if name in layer:
+          layer[name] = {**_zero_biases(cfg), **layer[name]}
+      out[f"{prefix}_{i}"] = layer
+  if cfg.positions != "learned":
+    out["position_embedding"] = np.asarray(
+        sinusoidal_positions(np.arange(cfg.max_len)[None], cfg.d_model)[0])
+  return out
+
+
+def _zero_biases(cfg) -> dict[str, np.ndarray]:
+  heads = (cfg.num_heads, cfg.d_model // cfg.num_heads)
+  return {**{f"{kind}_bias": np.zeros(heads, np.float32) for kind in ("query", "key", "value")},
+          "out_bias": np.zeros(cfg.d_model, np.float32)}
+
 
 
 def _get(tree: dict, path: str):
