@@ -207,3 +207,18 @@ def test_a_flat_config_json_of_an_older_run_is_read_in_sections(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(flat))
   loaded = Workdir(tmp_path).load_config()
   assert loaded == dataclasses.replace(cfg, decode=config_lib.DecodeConfig())
+
+
+def test_a_runs_config_is_read_once_a_process_until_its_file_changes(tmp_path):
+  """A command opens its run in several places (flags' checks, the runner, the server): one
+  parse of config.json, shared, and a new one once the file is replaced."""
+  from configs import fra_eng
+  from transformer_jax.runs.workdir import Workdir
+  run = Workdir(tmp_path / "w")
+  run.write_config(config_lib.parse(fra_eng.get_config("smoke")))
+  first = Workdir(tmp_path / "w").load_config()
+  assert Workdir(str(tmp_path / "w")).load_config() is first
+  run.write_config(dataclasses.replace(
+      first, decode=dataclasses.replace(first.decode, beam_size=7)))
+  again = Workdir(tmp_path / "w").load_config()
+  assert again is not first and again.decode.beam_size == 7

@@ -28,7 +28,7 @@ from pathlib import Path
 from absl import logging
 
 from transformer_jax import checkpoint, config as config_lib, errors
-from transformer_jax.data.tokenizer import Tokenizers
+from transformer_jax.data.tokenizer import HF_FILE, SPM_FILE, WORD_FILE, Tokenizers
 from transformer_jax.errors import UserError
 
 CONFIG = "config.json"
@@ -44,6 +44,31 @@ MODEL_KINDS = {"encoder_decoder": ("translation model", "translate"),
                "decoder_only": ("language model", "generate"),
                "encoder_only": ("masked language model", "fill"),
                "classifier": ("classifier", "classify")}
+
+
+# What a process read of runs' files (a command opens its run in several places: the flags'
+# checks, the runner, the server), by the files' identity: a file replaced or rewritten is read
+# again. A config is frozen dataclasses and a tokenizer is not changed once loaded.
+_READ: dict[tuple, object] = {}
+_READ_AT_MOST = 64
+TOKENIZER_FILES = (HF_FILE, SPM_FILE, WORD_FILE)  # What Tokenizers.load reads.
+
+
+def _stamp(path: Path) -> tuple | None:
+  """A file's identity as read (path, inode, size, modification time), None where it is not."""
+  try:
+    s = path.stat()
+  except OSError:
+    return None
+  return str(path.absolute()), s.st_ino, s.st_size, s.st_mtime_ns
+
+
+def _remember(stamp: tuple, value):
+  if len(_READ) >= _READ_AT_MOST:
+    _READ.clear()
+  if value is not None:
+    _READ[stamp] = value
+  return value
 
 
 class WorkdirError(UserError, ValueError):
@@ -170,6 +195,9 @@ class Workdir:
     """
     if not self.config_file.is_file():
       raise WorkdirError(f"{self.path} holds no {CONFIG}: not a training workdir")
+    stamp = _stamp(self.config_file)
+    if stamp in _READ:  # Read once a process, as long as the file is the same.
+      return _READ[stamp]
     try:
       saved = json.loads(self.config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -181,7 +209,7 @@ class Workdir:
       raise WorkdirError(f"{self.config_file} is not a training run's config ({why}): "
                          f"{self.path} is not a training workdir")
     try:
-      return config_lib.parse(saved, saved=True)
+      return _remember(stamp, config_lib.parse(saved, saved=True))
     except (config_lib.ConfigError, TypeError) as e:
       raise WorkdirError(f"{self.config_file} is damaged ({errors.first_line(e)}); restore it "
                          "from a copy") from None
@@ -212,8 +240,14 @@ class Workdir:
 
   # Opening a trained run.
 
+  def _saved_tokenizers(self) -> Tokenizers | None:
+    """The tokenizers saved in the workdir (None: none), read once while their file is the
+    same."""
+    stamp = ("tokenizers",) + tuple(_stamp(self.path / name) for name in TOKENIZER_FILES)
+    return _READ.get(stamp) or _remember(stamp, Tokenizers.load(self.path))
+
   def tokenizers(self) -> Tokenizers:
-    tokenizers = Tokenizers.load(self.path)
+    tokenizers = self._saved_tokenizers()
     if tokenizers is None:
       raise WorkdirError(f"{self.path} holds no tokenizer (tokenizer.model, vocab.json or "
                          "tokenizer.huggingface.json)")
@@ -260,7 +294,7 @@ class Workdir:
                    read_only: bool = False) -> checkpoint.Checkpointer:
     if read_only and not self.checkpoints.is_dir():
       raise WorkdirError(f"{self.path} holds no {CHECKPOINTS}/ directory")
-    tokenizers = Tokenizers.load(self.path)
+    tokenizers = self._saved_tokenizers()
     return checkpoint.Checkpointer(self.checkpoints, save_every, keep, read_only=read_only,
                                    tokenizer_digest=tokenizers and tokenizers.digest())
 
