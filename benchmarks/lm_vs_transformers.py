@@ -13,7 +13,7 @@ Two measurements, each side's calls alternating (A B A B) after two untimed call
                 each (fewer where a row ends at <eos>): new tokens a second
 Every continuation is compared token for token; the script exits 1 where they differ.
 
-Ours: `generation.continue_prompts` jitted as `generate` runs it (the prompt read in one pass,
+Ours: `prompts.continue_prompts` jitted as `generate` runs it (the prompt read in one pass,
 then a `lax.while_loop` over a preallocated cache), float32. The peer: the exported
 `GPT2LMHeadModel` in float32 with its default attention (`sdpa`) and cache, under
 `torch.inference_mode()`, `generate(do_sample=False)` with `suppress_tokens` set to the ids ours
@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 from transformer_jax.data import builders  # noqa: E402
 from transformer_jax.data.tokenizer import BOS, EOS, PAD, UNK  # noqa: E402
-from transformer_jax.decoding import generation  # noqa: E402
+from transformer_jax.decoding import prompts  # noqa: E402
 from transformer_jax.decoding.completer import Completer  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def prompt_ids(completer: Completer, data_dir: str, length: int, count: int,
 class Ours:
   def __init__(self, completer: Completer):
     self.completer = completer
-    self.run = jax.jit(generation.continue_prompts, static_argnums=(0, 4, 5),
+    self.run = jax.jit(prompts.continue_prompts, static_argnums=(0, 4, 5),
                        static_argnames="vocab")
 
   def __call__(self, ids: np.ndarray, new: int) -> np.ndarray:
