@@ -15,7 +15,7 @@ from transformer_jax import config as config_lib
 from transformer_jax.training import steps as step_lib, trainer
 from transformer_jax.runs.workdir import WorkdirError
 from tests import runs
-from tests.conftest import DATA, ROOT
+from tests.conftest import DATA, ROOT, xla_flags
 from transformer_jax.data import builders
 from transformer_jax.data.builders import DatasetError
 from transformer_jax.data.tokenizer import TokenizerError
@@ -23,7 +23,7 @@ from transformer_jax.data.tokenizer import TokenizerError
 
 def _cli(*args, devices=1):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"))
   return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
 

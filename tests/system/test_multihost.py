@@ -13,7 +13,7 @@ import numpy as np
 import portpicker
 import pytest
 
-from tests.conftest import DATA, ROOT
+from tests.conftest import DATA, ROOT, xla_flags
 
 
 def _train(workdir, tfds_dir, cache_dir, num_steps, processes, extra=(), devices=4):
@@ -21,7 +21,7 @@ def _train(workdir, tfds_dir, cache_dir, num_steps, processes, extra=(), devices
   processes, sharing the compilation cache `cache_dir`; returns the logs."""
   port = portpicker.pick_unused_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // processes}")
+             XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices // processes}"))
   cmd = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
          "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
          f"--config.data.tfds_dir={tfds_dir}", f"--config.run.num_steps={num_steps}",
@@ -106,8 +106,8 @@ def test_slurm_environment_two_processes_stop_together_on_sigterm(tmp_path, tfds
   procs = []
   for rank in range(2):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", SLURM_JOB_ID=str(job_id),
-               SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1"),
+               SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))
     out = subprocess.PIPE if rank else open(tmp_path.parent / "rank0.log", "w")
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, xla_flags
 from transformer_jax import sharding
 
 
@@ -24,7 +24,7 @@ MESHES = {  # (data, fsdp, tensor): the shard shapes of an FFN kernel and an emb
 @pytest.fixture(scope="module")
 def trained_on_meshes():
   """One process with 8 fake devices trains on one device and on each of MESHES."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   out = subprocess.run([sys.executable, "-m", "tests.sharding_check", *MESHES], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=900)
