@@ -94,45 +94,16 @@ def _summary(steps, times, tokens, trained_s, nll, **extra) -> dict:
 def train_torch(cfg, data, eval_data, seconds: float) -> dict:
   import torch
   import torch.nn.functional as F
-  from torch import nn
-  from benchmarks.torch_block import Block
+  from benchmarks.torch_block import GPT, adamw
   dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
   if dev == "cpu":
     torch.set_num_threads(os.cpu_count())
   torch.manual_seed(cfg.run.seed)
   m = cfg.model
-  d, heads, vocab = m.d_model, m.num_heads, build.padded_vocab(data.tokenizers.tgt.vocab_size)
-
-  class GPT(nn.Module):
-    def __init__(self):
-      super().__init__()
-      self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(cfg.data.max_len, d)
-      for table in (self.tok, self.pos):  # As ours: N(0, 1 / d_model), scaled by sqrt(d_model).
-        nn.init.normal_(table.weight, std=d ** -0.5)
-      self.blocks = nn.ModuleList(Block(d, heads, m.ffn_dim, m.layer_norm_eps, m.dropout_rate)
-                                  for _ in range(m.num_decoder_layers))
-      self.ln = nn.LayerNorm(d, eps=m.layer_norm_eps)
-      self.drop = nn.Dropout(m.dropout_rate)
-
-    def forward(self, tokens, segments, positions):
-      # [B, 1, T, T]: a token sees the earlier tokens of its own segment only.
-      same = segments[:, None, :, None] == segments[:, None, None, :]
-      causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool,
-                          device=tokens.device).tril()
-      mask = same & causal & (segments[:, None, None, :] > 0)
-      mask = mask | torch.eye(tokens.shape[1], dtype=torch.bool, device=tokens.device)
-      x = self.drop(self.tok(tokens) * math.sqrt(d) + self.pos(positions))
-      for block in self.blocks:
-        x = block(x, mask)
-      return self.ln(x) @ self.tok.weight.T  # Tied output.
-
-  model = GPT().to(dev)
-  decay = [p for p in model.parameters() if p.dim() > 1]
-  rest = [p for p in model.parameters() if p.dim() <= 1]
+  vocab = build.padded_vocab(data.tokenizers.tgt.vocab_size)
+  model = GPT(cfg, vocab).to(dev)
   o = cfg.optimizer
-  opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                           {"params": rest, "weight_decay": 0.0}], lr=o.learning_rate,
-                          betas=(o.adam_b1, o.adam_b2), eps=o.adam_eps)
+  opt = adamw(model, o)
   schedule = step_lib.learning_rate_schedule(o, cfg.run.num_steps)
   bf16 = m.dtype == "bfloat16"
 

@@ -103,16 +103,13 @@ def train_bert(cfg, data, eval_data, masking, steps: int, every: int, mask_rng) 
   """The peer on the same batches, with the masks our step drew from `mask_rng`."""
   import torch
   import torch.nn.functional as F
+  from benchmarks.torch_block import adamw
   torch.set_num_threads(os.cpu_count())
   torch.manual_seed(cfg.run.seed)
   vocab = build.padded_vocab(build.mask_id(data.tokenizers.tgt.vocab_size) + 1)  # As ours.
   model = bert_peer(cfg, vocab)
   o = cfg.optimizer
-  decay = [p for p in model.parameters() if p.dim() > 1]
-  rest = [p for p in model.parameters() if p.dim() <= 1]
-  opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                           {"params": rest, "weight_decay": 0.0}], lr=o.learning_rate,
-                          betas=(o.adam_b1, o.adam_b2), eps=o.adam_eps)
+  opt = adamw(model, o)
   schedule = step_lib.learning_rate_schedule(o, cfg.run.num_steps)
   draw = jax.jit(step_lib.with_masks, static_argnums=2)
 

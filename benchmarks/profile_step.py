@@ -17,6 +17,7 @@ import collections
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -49,15 +50,61 @@ def kernel_times(trace_file: Path, labels: dict | None = None) -> dict[str, coll
   return totals
 
 
+def cpu_thunk_times(trace_file: Path) -> collections.Counter:
+  """XLA:CPU's thunks in a perfetto trace -> Counter(HLO instruction -> its own microseconds):
+  the executor's events of the compiled program only (not the spans around them), each less
+  the thunks nested in it (a while loop's body runs inside its `while` thunk)."""
+  events = json.load(gzip.open(trace_file))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  thunks = sorted((e for e in events if e.get("ph") == "X" and "thunk_executor" in
+                   " ".join(str(v) for v in e.get("args", {}).values())),
+                  key=lambda e: (e["pid"], e["tid"], e["ts"], -e.get("dur", 0)))
+  totals, open_ = collections.Counter(), []  # open_: the enclosing thunks, innermost last.
+  for e in thunks:
+    while open_ and (open_[-1]["pid"], open_[-1]["tid"]) == (e["pid"], e["tid"]) and \
+        open_[-1]["ts"] + open_[-1]["dur"] <= e["ts"]:
+      open_.pop()
+    if open_ and (open_[-1]["pid"], open_[-1]["tid"]) != (e["pid"], e["tid"]):
+      open_.clear()
+    totals[e["name"]] += e.get("dur", 0)
+    if open_:
+      totals[open_[-1]["name"]] -= e.get("dur", 0)
+    open_.append(e)
+  return totals
+
+
+def hlo_labels(hlo_text: str) -> dict[str, str]:
+  """{HLO instruction name: the jax op it came from (metadata op_name), lowercase} of a
+  compiled program's text: what a CPU thunk, named by its instruction, computes."""
+  return {m.group(1): m.group(2).lower() for m in re.finditer(
+      r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M)}
+
+
 # A kernel's bucket: the first whose words appear in its name or arguments (lowercase). The
 # optimizer's kernels are told by the jax op they came from (optax's update), the others by
-# the names XLA, cuBLAS/CUTLASS and cuDNN give them.
-BUCKETS = (("optimizer", ("optax", "adam", "clip_by_global_norm")),
+# the names XLA, cuBLAS/CUTLASS and cuDNN give them; PyTorch's operators (aten::...) by theirs.
+BUCKETS = (("optimizer", ("optax", "adam", "clip_by_global_norm", "foreach", "optimizer")),
+           ("rng", ("threefry", "bernoulli", "random_bits", "rng_bit_generator", "philox")),
            ("attention", ("fmha", "cudnn", "flash", "attention", "splash")),
-           ("gemm", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "matmul", "dot")),
-           ("reductions", ("reduce", "layer_norm", "layernorm", "softmax", "logsumexp")),
+           ("gemm", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "matmul", "dot", "aten::mm",
+                     "addmm", "bmm", "ynn_fusion", "xnn_fusion")),
+           ("reductions", ("reduce", "layer_norm", "layernorm", "softmax", "logsumexp", "nll",
+                           "aten::sum")),
            ("elementwise", ("loop_", "fusion", "convert", "copy", "transpose", "select",
-                            "add", "multiply", "broadcast", "rng", "threefry", "iota")))
+                            "add", "multiply", "broadcast", "iota", "aten::mul",
+                            "gelu", "relu", "threshold", "dropout", "bernoulli", "where",
+                            "fill", "div", "erf")))
+
+
+def traced(step, steps: int, trace_dir: str) -> Path:
+  """The perfetto trace of `steps` calls of `step` (each waited for), after two untraced ones
+  (compilation, warm-up)."""
+  for _ in range(2):
+    jax.block_until_ready(step())
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(steps):
+      jax.block_until_ready(step())
+  return next(Path(trace_dir).rglob("*perfetto_trace.json.gz"))
 
 
 def bucket_of(name: str, label: str = "") -> str:
@@ -93,14 +140,12 @@ def main():
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
   with sharding.mesh_context(mesh):
     batch = sharding.global_batch(config_batch(config), mesh)
-    for _ in range(2):  # Compile and warm up outside the trace.
-      state, metrics = p_train(state, batch)
-    jax.block_until_ready(metrics)
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for _ in range(args.steps):
-        state, metrics = p_train(state, batch)
-        jax.block_until_ready(metrics)
-  trace_file = next(Path(trace_dir).rglob("*perfetto_trace.json.gz"))
+    holder = {"state": state}
+
+    def step():
+      holder["state"], metrics = p_train(holder["state"], batch)
+      return metrics
+    trace_file = traced(step, args.steps, trace_dir)
 
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {args.config} "
         f"{' '.join(args.set)}; d_model {cfg.d_model}, {data.batch_size} x {data.max_len} "

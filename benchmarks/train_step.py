@@ -69,11 +69,11 @@ def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0):
 
 def config_batch(config, rows: int | None = None, seed: int = 0):
   """synthetic_batch at the config's length and vocabulary (default rows: its batch size),
-  with only a language model's features where the config is one (decoder-only)."""
+  with only one side's features where the model has one (decoder-only, encoder-only)."""
   from transformer_jax.data.packing import LM_FEATURES
   data = config.data
   batch = synthetic_batch(rows or data.batch_size, data.max_len, data.vocab_size, seed)
-  if config.model.family == "decoder_only":
+  if config.model.family != "encoder_decoder":
     batch = {k: batch[k] for k in LM_FEATURES}
   return batch
 
@@ -102,9 +102,10 @@ def batch_cases(config, names: list[str], rows: int, count: int = 8) -> dict[str
   return cases
 
 
-def train_setup(config, mesh=None):
+def train_setup(config, mesh=None, masking=None):
   """The library's own model, sharded train state and jitted train step for `config` (source and
-  target vocabulary: config.data.vocab_size), on `mesh` (default: the config's mesh).
+  target vocabulary: config.data.vocab_size), on `mesh` (default: the config's mesh), a masked
+  language model's step drawing its masks by `masking` (steps.Masking).
 
   Returns:
     (model config, mesh, state, jitted train_step)
@@ -116,7 +117,7 @@ def train_setup(config, mesh=None):
   state, shardings = step_lib.create_train_state(
       build.build_model(cfg), step_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
       c.data.max_len, ema=c.step.ema_decay > 0)
-  p_train, _ = step_lib.jit_steps(shardings, mesh, c.step)
+  p_train, _ = step_lib.jit_steps(shardings, mesh, c.step, masking)
   return cfg, mesh, state, p_train
 
 

@@ -120,7 +120,8 @@ def test_profile_sums_each_kernel_per_device_timeline(tmp_path):
   got = profile_step.kernel_times(trace, labels)
   assert got == {"/device:GPU:0": {"gemm": 12, "softmax": 2}, "/host:CPU": {"gemm": 100}}
   assert profile_step.buckets(got["/device:GPU:0"], labels, steps=2) == {
-      "optimizer": {"ms_a_step": 0.0, "share": 0.0}, "attention": {"ms_a_step": 0.0, "share": 0.0},
+      "optimizer": {"ms_a_step": 0.0, "share": 0.0}, "rng": {"ms_a_step": 0.0, "share": 0.0},
+      "attention": {"ms_a_step": 0.0, "share": 0.0},
       "gemm": {"ms_a_step": 0.006, "share": round(12 / 14, 4)},
       "reductions": {"ms_a_step": 0.001, "share": round(2 / 14, 4)},
       "elementwise": {"ms_a_step": 0.0, "share": 0.0}, "other": {"ms_a_step": 0.0, "share": 0.0}}
@@ -260,3 +261,29 @@ def test_gpt2_step_times_ours_and_each_variant_on_the_same_batches(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1 and bad.stderr.strip() == (
       "error: --peers 'jit': choose from compiled, eager, none")
+
+
+@pytest.mark.parametrize("config", ["configs/lm_shakespeare.py:smoke",
+                                    "configs/mlm_shakespeare.py:smoke"])
+def test_the_pytorch_race_runs_each_familys_peer_and_profiles_both(config, tmp_path,
+                                                                   monkeypatch):
+  """compare_pytorch.py for a language model and a masked one (the encoder-decoder runs in
+  run_gpu.sh's dry parts): both sides start at chance on the same batch, are timed in turn,
+  and are profiled by the same buckets."""
+  pytest.importorskip("torch")
+  from benchmarks import compare_pytorch
+  out = tmp_path / "race.json"
+  monkeypatch.setattr(sys, "argv", ["compare_pytorch.py", "--config", config, "--rounds", "1",
+                                    "--steps", "1", "--profile", "1", "--json", str(out)])
+  compare_pytorch.main()
+  record = json.loads(out.read_text())
+  assert set(record["first_loss"]) == {"jax", "torch"}
+  for loss in record["first_loss"].values():  # 500 pieces (and a mask id) padded to 512.
+    assert abs(loss - np.log(512)) < 1.0
+  assert record["ratio"] == pytest.approx(record["median_s"]["torch"] / record["median_s"]["jax"])
+  for side in ("jax", "torch"):
+    buckets = record["profile"][side]
+    assert set(buckets) == {"optimizer", "rng", "attention", "gemm", "reductions",
+                            "elementwise", "other"}
+    assert buckets["gemm"]["ms_a_step"] > 0 and buckets["optimizer"]["ms_a_step"] > 0
+    assert sum(b["share"] for b in buckets.values()) == pytest.approx(1.0, abs=0.01)

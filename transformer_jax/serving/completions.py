@@ -223,7 +223,8 @@ def create_app(service: Service) -> Starlette:
         "completion_requests": Figure("counter", "Completion requests taken", done.requests),
         "sequences": Figure("counter", "Sequences (a request's prompts times n) decoded",
                             done.sequences),
-        "completion_tokens": Figure("counter", "New tokens decoded", done.new_tokens),
+        "completion_tokens": Figure("counter", "New tokens decoded (as usage counts them: "
+                                    "an ending <eos> not)", done.new_tokens),
         "positions_decoded": Figure("counter", "Positions decoded: prompts' and new tokens'",
                                     done.tokens),
         "decoder_runs": Figure("counter", "Steps the decoder ran", done.runs),

@@ -192,4 +192,6 @@ class Engine:
       end = "stop" if positions and positions[-1][0] == EOS else "length"
     if positions or end:
       sequence.tell(positions, end)
-    return len(positions), max(0, last + 1 - max(first, len(sequence.ids)))
+    # New tokens as usage counts them: the prompt's positions and an ending <eos> are not.
+    new = max(0, last + 1 - max(first, len(sequence.ids)))
+    return len(positions), new - int(end == "stop" and new > 0)
