@@ -196,3 +196,47 @@ def test_the_time_left_counts_the_evaluations_to_come(monkeypatch):
   assert progress.seconds_left(50, rate) == 50 + 2 * 60
   last = writers.Progress(num_steps=90, start_step=0, eval_every=25)
   assert [last.evals_left(s) for s in (10, 74, 75, 80, 90)] == [4, 2, 1, 1, 0]
+
+
+def test_the_masked_positions_logits_alone_give_the_whole_batchs_sums_and_gradients():
+  """at_masked: a masked language model's sums and gradients from the masked positions'
+  logits only, equal (to float32's order of summation) to every position's; with more masked
+  positions than its budget, every position's logits, exactly as without it."""
+  rng = np.random.default_rng(0)
+  features = rng.normal(size=(4, 16, 8)).astype(np.float32)
+  kernel = rng.normal(size=(8, 24)).astype(np.float32)
+  targets = rng.integers(0, 24, (4, 16))
+  masked = rng.random((4, 16)) < 0.2
+  masking = step_lib.Masking(mask_id=24, vocab_size=24, rate=0.2)
+  budget = step_lib.prediction_budget((4, 16), masking)
+  assert budget == 64 and masked.sum() < budget  # 2 x 20% of 64 tokens, rounded up to 128: all.
+  assert step_lib.prediction_budget((32, 128), masking) == 1664  # 2 x 819.2, rounded up.
+
+  def sums(features, kernel, budget):
+    logits_of = lambda f: f @ kernel
+    if budget:
+      return step_lib.at_masked(logits_of, features, targets, masked, 0.1, budget)
+    return step_lib.cross_entropy(logits_of(features), targets, masked, 0.1)
+
+  loss = lambda budget: jax.jit(jax.value_and_grad(
+      lambda f, k: sums(f, k, budget)["loss_sum"], argnums=(0, 1)))(features, kernel)
+  (whole, whole_grads), (gathered, gathered_grads) = loss(0), loss(16)
+  assert masked.sum() <= 16
+  np.testing.assert_allclose(gathered, whole, rtol=1e-6)
+  for x, y in zip(gathered_grads, whole_grads):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+  assert float(np.abs(gathered_grads[0][~masked]).max()) == 0.0  # Unmasked rows: no gradient.
+  got = jax.jit(sums, static_argnums=2)(features, kernel, 16)
+  want = jax.jit(sums, static_argnums=2)(features, kernel, 0)
+  assert got["tokens"] == want["tokens"] == masked.sum() and got["correct"] == want["correct"]
+  over = jax.jit(sums, static_argnums=2)(features, kernel, 4)  # 4 < the masked count.
+  assert {k: float(v) for k, v in over.items()} == {k: float(v) for k, v in want.items()}
+
+
+def test_gelu_is_the_erf_form_within_float32_noise_of_jaxs():
+  from transformer_jax.models.blocks import gelu_erf
+  x = np.linspace(-12, 12, 10001, dtype=np.float32)
+  np.testing.assert_allclose(gelu_erf(x), jax.nn.gelu(x, approximate=False), atol=2e-6)
+  grad = jax.vmap(jax.grad(gelu_erf))(x)
+  want = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=False)))(x)
+  np.testing.assert_allclose(grad, want, atol=2e-6)

@@ -275,10 +275,12 @@ def masked_once(batches: list, masking: Masking, seed: int) -> list:
 
 
 def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss_chunks: int = 1,
-              deterministic: bool = True, rngs=None) -> dict[str, jax.Array]:
+              deterministic: bool = True, rngs=None,
+              predict_at_most: int = 0) -> dict[str, jax.Array]:
   """cross_entropy's sums over a batch (a classifier's batch, with `labels` [B]: over its rows);
   with `loss_chunks` > 1 through projected_loss (the [B, T, V] logits never whole; only
-  `loss_sum` is differentiable then)."""
+  `loss_sum` is differentiable then). A masked language model's batch with `predict_at_most`
+  > 0: the logits of its masked positions only (at_masked)."""
   weights = loss_weights(batch)
   if "labels" in batch:  # A classifier's: one prediction a row, [B, 1, labels].
     logits = _apply(apply_fn, params, batch, deterministic, rngs)
@@ -286,13 +288,44 @@ def loss_sums(apply_fn, params, batch: Batch, label_smoothing: float = 0.0, loss
   targets = batch["targets"]
   if loss_chunks == 1:
     features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
-    logits = apply_fn({"params": params}, features, method="logits")  # Compute dtype.
-    return cross_entropy(logits, targets, weights, label_smoothing)
+    logits_of = lambda f: apply_fn({"params": params}, f, method="logits")  # Compute dtype.
+    if predict_at_most and "masked" in batch:
+      return at_masked(logits_of, features, targets, weights, label_smoothing, predict_at_most)
+    return cross_entropy(logits_of(features), targets, weights, label_smoothing)
   features = _apply(apply_fn, params, batch, deterministic, rngs, method="features")
   kernel, bias = apply_fn({"params": params}, method="output_weights")
   loss_sum, stats = projected_loss(features, kernel, bias, targets,
                                    weights.astype(jnp.float32), label_smoothing, loss_chunks)
   return {"loss_sum": loss_sum, **jax.lax.stop_gradient(stats)}
+
+
+def at_masked(logits_of, features, targets, weights, label_smoothing: float, budget: int):
+  """cross_entropy's sums over the masked positions (`weights` [B, T] bool) of a masked language
+  model's batch, their features gathered into `budget` rows first: the logits of the other
+  positions, which the loss weighs 0, are never computed (nor their softmax, nor their
+  gradient). Where more than `budget` positions are masked, every position's logits, as
+  without it. The same sums up to float32's order of summation."""
+  features, targets, weights = map(jnp.asarray, (features, targets, weights))
+  flat, count = weights.reshape(-1), jnp.sum(weights)
+
+  def gathered():
+    rows = jnp.nonzero(flat, size=budget, fill_value=0)[0]
+    real = jnp.arange(budget) < count  # The rows past the count repeat row 0, weighed 0.
+    picked = features.reshape(-1, features.shape[-1])[rows][None]  # [1, budget, D]
+    return cross_entropy(logits_of(picked), targets.reshape(-1)[rows][None], real[None],
+                         label_smoothing)
+
+  def whole():
+    return cross_entropy(logits_of(features), targets, weights, label_smoothing)
+  return jax.lax.cond(count <= budget, gathered, whole)
+
+
+def prediction_budget(shape: tuple[int, int], masking: Masking) -> int:
+  """The rows at_masked gathers for a [B, T] batch masked by `masking`: twice the share its
+  rate masks, rounded up to 128 (more is all but impossible, and then at_masked computes every
+  position's logits)."""
+  tokens = shape[0] * shape[1]
+  return min(tokens, -(-int(np.ceil(2 * masking.rate * tokens)) // 128) * 128)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -400,8 +433,9 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig(),
     return loss
 
   def loss_fn(params, batch, rng):
+    budget = prediction_budget(batch["targets"].shape, masking) if masking else 0
     sums = loss_sums(state.apply_fn, params, batch, cfg.label_smoothing, cfg.loss_chunks, False,
-                     {"dropout": rng})
+                     {"dropout": rng}, predict_at_most=budget)
     return mean_loss(sums), sums
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
