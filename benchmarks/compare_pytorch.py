@@ -232,7 +232,7 @@ def main():
   if args.compile:
     steps["torch.compile"], _ = torch_step_fn(config, vocab, peer_batch or batch,
                                               compile_model=True)
-  # Each side's loss on its first step (the same work: near ln(vocab) from both inits).
+  # Each side's loss on its first step: the same batch and targets (the inits differ).
   first_loss = {name: float(step()) for name, step in steps.items()}
   times = interleaved(steps, args.rounds, calls=args.steps)
   median = {name: statistics.median(t) for name, t in times.items()}
