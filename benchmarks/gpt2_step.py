@@ -89,7 +89,7 @@ def peer(config, batch, compiled: bool):
   import torch
   import torch.nn.functional as F
   from torch import nn
-  from benchmarks.torch_block import Block
+  from benchmarks.torch_block import Block, adamw
   dev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
   c = config_lib.parse(config)
   m, o = c.model, c.optimizer
@@ -113,11 +113,7 @@ def peer(config, batch, compiled: bool):
       return F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
 
   model = GPT().to(dev)
-  decay = [p for p in model.parameters() if p.dim() > 1]
-  rest = [p for p in model.parameters() if p.dim() <= 1]
-  opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                           {"params": rest, "weight_decay": 0.0}], lr=o.learning_rate,
-                          betas=(o.adam_b1, o.adam_b2), eps=o.adam_eps, fused=dev == "cuda")
+  opt = adamw(model, o, fused=dev == "cuda")
   forward = torch.compile(model) if compiled else model
   tokens, targets = (torch.from_numpy(batch[k]).long().to(dev)
                      for k in ("decoder_inputs", "targets"))
