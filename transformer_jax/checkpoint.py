@@ -208,7 +208,6 @@ class Checkpointer:
       CheckpointMismatchError: the newest readable checkpoint holds another model's arrays.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
-    _drop_abandoned_read_errors()
     for step in steps:
       try:
         state, data = self.restore(step, state_like, state_shardings)
@@ -232,6 +231,7 @@ class Checkpointer:
       state_like: a state (or abstract state) with the structure, shapes and dtypes to restore.
     """
     self._check_step(step)
+    _drop_abandoned_read_errors()  # Every reader (resume, average) may meet a failed read.
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_like, state_shardings)
     self.check_fits(step, target)
@@ -251,7 +251,6 @@ class Checkpointer:
       CheckpointMismatchError: the newest readable checkpoint holds another model's arrays.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
-    _drop_abandoned_read_errors()
     if not steps:
       raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
     for step in steps:
@@ -278,6 +277,7 @@ class Checkpointer:
         fingerprints traced for the device.
     """
     self._check_step(step)
+    _drop_abandoned_read_errors()
     if via_host is None:
       via_host = all(d.process_index == jax.process_index() and d.platform != "cpu"
                      for d in mesh.devices.flat)

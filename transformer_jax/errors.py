@@ -24,9 +24,11 @@ class UserError(Exception):
 
 
 def first_line(error: BaseException) -> str:
-  """The first line of an exception's message, or its type's name where it has none."""
+  """The first line of an exception's message (less tensorstore's dump of its spec), or its
+  type's name where it has none."""
   text = str(error).strip()
-  return text.splitlines()[0] if text else type(error).__name__
+  return text.splitlines()[0].split(" See full TensorStore details")[0] if text else (
+      type(error).__name__)
 
 
 def describe_os_error(error: OSError) -> str:

@@ -84,6 +84,30 @@ def test_bad_requests_are_one_line_and_write_nothing(trained, tmp_path):
   assert not (tmp_path / "c").exists()
 
 
+def test_a_checkpoint_that_fails_to_read_is_one_line_and_the_last(trained, tmp_path):
+  """A data file gone from step 20 (as a run's rotation removes it mid-read): `average` exits 1
+  with one line naming the step, and the other reads abandoned with it echo nothing after."""
+  import shutil
+  from tests.system.test_reliability import _damage
+  _, source = trained
+  workdir = tmp_path / "w"
+  shutil.copytree(source, workdir)
+  _damage(workdir / "checkpoints" / "20", "deleted chunk", every_chunk=True)
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer_jax", "average", "--workdir", str(workdir), "--last",
+       "2", "--output", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 1, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: the checkpoint of step 10 in {workdir / 'checkpoints'} cannot "
+                         "be averaged: ") or last.startswith(
+      f"error: the checkpoint of step 20 in {workdir / 'checkpoints'} cannot be averaged: "), last
+  assert "TensorStore details" not in last
+  for echo in ("Event loop is closed", "Traceback", "never retrieved", "never awaited"):
+    assert echo not in result.stderr, result.stderr[-2000:]
+  assert not (tmp_path / "a").exists()
+
+
 def test_averaging_a_run_that_is_still_training_reads_its_newest_checkpoints(trained, tmp_path):
   """A live run keeps 2 checkpoints, one every 25 steps: each `average --last 2` beside it
   exits 0 with two checkpoints 25 steps apart that the run wrote (a step rotated away as it was
