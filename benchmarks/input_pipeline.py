@@ -56,7 +56,7 @@ def run(config, pairs: int, workers: list[int], batches: int, scratch: Path) -> 
     tokenize_s = time.perf_counter() - start
     main_cpu_s = time.process_time() - cpu_start
     cache_tokens = int(np.sum(cache.lengths("tgt") + 1))
-    stream = pipeline.TrainStream(cache, batch_size=cfg.batch_size, max_len=cfg.max_len,
+    stream = pipeline.pair_stream(cache, batch_size=cfg.batch_size, max_len=cfg.max_len,
                                   overlong=cfg.overlong, seed=0, num_workers=w)
     start = time.perf_counter()
     next(stream)

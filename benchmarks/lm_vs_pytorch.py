@@ -11,7 +11,7 @@ self-attention (one fused q/k/v projection, `scaled_dot_product_attention` with 
 segment mask, so packed documents stay apart as in ours) and a ReLU FFN, a final LayerNorm and
 an output tied to the embedding; AdamW with the config's betas, epsilon, weight decay (matrices
 only), global-norm clipping and the same warmup-cosine learning rate at every step; dropout as
-the config's. Both sides read the same packed rows (`pipeline.TrainStream` with the same seed)
+the config's. Both sides read the same packed rows (`pipeline.document_stream` with the same seed)
 and are scored on the same eval rows. Compilation (ours) is timed apart from the training time.
 """
 
@@ -77,9 +77,9 @@ def train_ours(cfg, data, eval_data, seconds: float) -> dict:
 
 
 def _train_stream(cfg, data):
-  return pipeline.TrainStream(data.train, batch_size=cfg.data.batch_size,
-                              max_len=cfg.data.max_len, overlong="drop", seed=cfg.run.seed,
-                              pack=cfg.data.packing, documents=True)
+  return pipeline.document_stream(data.train, batch_size=cfg.data.batch_size,
+                                  max_len=cfg.data.max_len, seed=cfg.run.seed,
+                                  pack=cfg.data.packing)
 
 
 def _summary(steps, times, tokens, trained_s, nll, **extra) -> dict:

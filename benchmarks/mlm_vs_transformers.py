@@ -13,7 +13,7 @@ embedding, initialised by `transformers` as BERT is (N(0, 0.02) weights). Its at
 our rows' segment mask ([B, 1, T, T]: packed chunks never read each other). Both sides use
 AdamW with the config's betas, epsilon, weight decay (matrices only), global-norm clipping and
 the same learning rate at every step (`steps.learning_rate_schedule`). The batches are
-`pipeline.TrainStream`'s with the run's seed, and the peer's masks are drawn by our
+`pipeline.document_stream`'s with the run's seed, and the peer's masks are drawn by our
 `steps.with_masks` from the keys our train step draws its own from (`steps.mask_key`), so both
 sides predict the same tokens from the same inputs (the script checks the counts agree); the
 held-out masks are the trainer's (`steps.masked_once`). Only dropout's draws differ.
@@ -45,9 +45,9 @@ from transformer_jax.training import steps as step_lib  # noqa: E402
 
 
 def _stream(cfg, data):
-  return pipeline.TrainStream(data.train, batch_size=cfg.data.batch_size,
-                              max_len=cfg.data.max_len, overlong="drop", seed=cfg.run.seed,
-                              pack=cfg.data.packing, documents=True)
+  return pipeline.document_stream(data.train, batch_size=cfg.data.batch_size,
+                                  max_len=cfg.data.max_len, seed=cfg.run.seed,
+                                  pack=cfg.data.packing)
 
 
 def _point(step, sums, seconds) -> dict:
@@ -207,8 +207,7 @@ def main():
                                 max_len=cfg.data.max_len, pack=cfg.data.packing)
   if args.eval_batches:
     rows = rows[:args.eval_batches]
-  masking = step_lib.masking_of("encoder_only", data.tokenizers.tgt.vocab_size, 0, cfg.step,
-                                 data.tokenizers.tgt)
+  masking = step_lib.masking_rule(data.tokenizers.tgt.vocab_size, cfg.step, data.tokenizers.tgt)
   runs = {"jax": {}, "bert": {}}
   for seed in seeds:
     base.run.seed = seed

@@ -84,7 +84,7 @@ def real_batches(config, rows: int, packing: bool, count: int):
   from transformer_jax.data import pipeline  # tfds loads only for real data.
   with tempfile.TemporaryDirectory() as workdir:
     data = pipeline.prepare(config_lib.parse(config).data, workdir)
-  stream = pipeline.TrainStream(data.train, batch_size=rows, max_len=config.data.max_len,
+  stream = pipeline.pair_stream(data.train, batch_size=rows, max_len=config.data.max_len,
                                 overlong=config.data.overlong, seed=0, pack=packing)
   batches = [next(stream) for _ in range(count)]
   stream.close()

@@ -157,7 +157,7 @@ def test_packed_rows_give_the_same_loss_as_the_same_sentences_padded(tmp_path):
   rng = np.random.default_rng(0)
   pairs = [(rng.integers(4, 100, n_src - 1), rng.integers(4, 100, n_tgt - 1))
            for n_src, n_tgt in [(5, 4), (3, 6), (4, 2)]]
-  stream = pipeline.TrainStream(_id_cache(tmp_path / "p", pairs), batch_size=2, max_len=16,
+  stream = pipeline.pair_stream(_id_cache(tmp_path / "p", pairs), batch_size=2, max_len=16,
                                 overlong="drop", seed=0)
   packed = next(stream)
   stream.close()

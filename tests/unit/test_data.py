@@ -90,7 +90,7 @@ def _cache(tmp_path, pairs, workers=0, name="c"):
 def _stream(cache, **kw):
   args = dict(batch_size=4, max_len=8, overlong="drop", seed=3)
   args.update(kw)
-  return pipeline.TrainStream(cache, **args)
+  return pipeline.pair_stream(cache, **args)
 
 
 

@@ -226,6 +226,8 @@ def test_a_saved_config_without_the_family_reads_as_a_translation_model():
      "encoder_decoder models; model.family='decoder_only'"),
     ("encoder_decoder", "shakespeare", "data.dataset='shakespeare' holds documents, for "
      "decoder_only or encoder_only models; model.family='encoder_decoder'"),
+    ("decoder_only", "shakespeare_genre", "data.dataset='shakespeare_genre' holds labelled "
+     "texts, for encoder_only models; model.family='decoder_only'"),
 ])
 def test_a_dataset_of_the_other_family_is_named(family, dataset, message):
   from transformer_jax.training import checks
@@ -233,6 +235,32 @@ def test_a_dataset_of_the_other_family_is_named(family, dataset, message):
   bleu = {"bleu_sentences": 0 if family == "decoder_only" else 256}
   with pytest.raises(ConfigError, match=message):
     checks.validated({"model": model, "data": {"dataset": dataset}, "eval": bleu})
+
+
+def test_every_family_and_dataset_has_one_task_or_a_named_error():
+  """The task table: each family trains on one or two kinds of corpus, each registered dataset
+  is one kind; only a masked language model draws masks, only a language model counts bits a
+  character."""
+  from transformer_jax.config import FAMILIES
+  from transformer_jax.data.catalog import DATASETS
+  from transformer_jax.training import tasks
+  found = {}
+  for family in FAMILIES:
+    for dataset in DATASETS:
+      try:
+        found[family, dataset] = tasks.of(family, dataset).name
+      except ConfigError as e:
+        assert str(e).startswith(f"data.dataset={dataset!r} holds "), e
+  assert found["encoder_decoder", "fra_eng"] == "translation"
+  assert found["decoder_only", "shakespeare"] == "language model"
+  assert found["encoder_only", "shakespeare"] == "masked language model"
+  assert found["encoder_only", "shakespeare_genre"] == "classifier"
+  assert ("encoder_decoder", "shakespeare") not in found
+  assert {family for family, _ in found} == set(FAMILIES)
+  masked = [t.name for t in tasks.TASKS.values() if t.masking(100) is not None]
+  assert masked == ["masked language model"]
+  assert tasks.of("encoder_only", "shakespeare").masking(100).mask_id == 100
+  assert [t.name for t in tasks.TASKS.values() if t.per_character] == ["language model"]
 
 
 def test_documents_are_held_out_whole_by_name():

@@ -2,13 +2,14 @@
 
 `prepare` builds (once, on the first host) the tfds array_record files, the tokenizer (fitted on
 a bounded sample of the training split) and a token-id cache of each split; nothing is held in
-memory whole. `TrainStream` yields endless packed training batches made by grain worker
+memory whole. `pair_stream` yields endless packed training batches made by grain worker
 processes; its position is two integers of the global stream (block, batch), the same on every
 host, so a checkpoint resumes on any number of hosts or workers. `eval_batches` packs the
 evaluation split the same way, each pair once. Every batch has the fixed shape [rows, max_len] and
 carries `*_segment_ids` (0 = padding) and `*_positions` (see `packing`), so steps compile once.
-A language model's corpus of documents takes `prepare_documents`, `TrainStream(documents=True)`
-and `documents.eval_batches` (see `documents`).
+A language model's corpus of documents takes `prepare_documents`, `document_stream` and
+`documents.eval_batches` (see `documents`); a classifier's labelled texts, `prepare_labelled`,
+`labelled_stream` and `labelled.eval_batches`.
 """
 
 from __future__ import annotations
@@ -234,35 +235,18 @@ def log_selection(split: str, sel: packing.Selection, max_len: int) -> None:
 
 
 class TrainStream:
-  """Endless training batches (this host's rows of each global batch) from a token cache.
+  """Endless training batches (this host's rows of each global batch) from a block planner.
 
-  Blocks of pairs are planned and filled by `packing.TrainBlocks` (of documents' chunks, by
-  `documents.DocumentBlocks`, where `documents`; of labelled texts, by `labelled.LabelledBlocks`,
-  where `labels` gives their label ids) in `num_workers` grain worker processes
-  (0: a thread of this process) and handed out batch by batch here. The
-  position `get_state()` is {"block", "batch"}: the next batch is batch `batch` of global
-  block `block`. It is host- and worker-independent, so any run can resume it.
+  `blocks` plans and fills each global block of batches (`packing.TrainBlocks` of pairs,
+  `documents.DocumentBlocks` of documents' chunks, `labelled.LabelledBlocks` of labelled texts:
+  `pair_stream`, `document_stream` and `labelled_stream` make each), in `num_workers` grain
+  worker processes (0: a thread of this process), and hands them out batch by batch here,
+  `features` of each. The position `get_state()` is {"block", "batch"}: the next batch is batch
+  `batch` of global block `block`. It is host- and worker-independent, so any run can resume it.
   """
 
-  def __init__(self, cache: token_cache.TokenCache, *, batch_size: int, max_len: int,
-               overlong: str, seed: int, pack: bool = True, num_workers: int = 0,
-               process_index: int = 0, process_count: int = 1, concat_prob: float = 0.0,
-               concat_max: int = 1, documents: bool = False, labels: np.ndarray | None = None,
-               fraction: float = 1.0):
-    if batch_size % process_count:
-      raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
-    local = batch_size // process_count
-    rows = dict(rows=batch_size, row_start=process_index * local,
-                row_stop=(process_index + 1) * local, max_len=max_len, seed=seed, packing=pack)
-    if labels is not None:  # Labelled texts, one a row (`fraction` of them: labelled.subset).
-      self.blocks = labelled.LabelledBlocks(cache, labels, fraction=fraction, **rows)
-      self.features = labelled.FEATURES
-    elif documents:
-      self.blocks, self.features = DocumentBlocks(cache, **rows), packing.LM_FEATURES
-    else:
-      self.blocks = packing.TrainBlocks(cache, overlong=overlong, concat_prob=concat_prob,
-                                        concat_max=concat_max, **rows)
-      self.features = FEATURES
+  def __init__(self, blocks, features: tuple[str, ...], num_workers: int = 0):
+    self.blocks, self.features = blocks, features
     self.num_workers = num_workers
     self._block, self._batch = 0, 0
     self._current: dict[str, np.ndarray] | None = None
@@ -329,6 +313,39 @@ def eval_batches(cache: token_cache.TokenCache, *, batch_size: int, max_len: int
         (sel.src_len[ex], sel.tgt_len[ex]), plan.row[mine] - first,
         (plan.src_offset[mine], plan.tgt_offset[mine]), local, max_len))
   return batches
+
+
+def rows(batch_size: int, max_len: int, seed: int, pack: bool = True, process_index: int = 0,
+         process_count: int = 1) -> dict:
+  """A block planner's arguments for this host's rows of each global batch."""
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+  local = batch_size // process_count
+  return dict(rows=batch_size, row_start=process_index * local,
+              row_stop=(process_index + 1) * local, max_len=max_len, seed=seed, packing=pack)
+
+
+def pair_stream(cache: token_cache.TokenCache, *, overlong: str, concat_prob: float = 0.0,
+                concat_max: int = 1, num_workers: int = 0, **row_args) -> TrainStream:
+  """Packed sentence pairs (`row_args`: those of `rows`)."""
+  return TrainStream(packing.TrainBlocks(cache, overlong=overlong, concat_prob=concat_prob,
+                                         concat_max=concat_max, **rows(**row_args)),
+                     FEATURES, num_workers)
+
+
+def document_stream(cache: token_cache.TokenCache, *, num_workers: int = 0,
+                    **row_args) -> TrainStream:
+  """Chunks of documents, max_len tokens each, packed."""
+  return TrainStream(DocumentBlocks(cache, **rows(**row_args)), packing.LM_FEATURES,
+                     num_workers)
+
+
+def labelled_stream(cache: token_cache.TokenCache, labels: np.ndarray, *, fraction: float = 1.0,
+                    num_workers: int = 0, **row_args) -> TrainStream:
+  """Labelled texts, one a row (`fraction` of them: labelled.subset); `labels`: their ids."""
+  return TrainStream(labelled.LabelledBlocks(cache, labels, fraction=fraction,
+                                             **rows(**row_args)),
+                     labelled.FEATURES, num_workers)
 
 
 class Prefetched:

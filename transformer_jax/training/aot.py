@@ -116,8 +116,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   import numpy as np
   from transformer_jax import config as config_lib, sharding
   from transformer_jax.models import build, flops as flops_lib
-  from transformer_jax.data.catalog import DATASETS
-  from transformer_jax.training import checks, steps as step_lib
+  from transformer_jax.training import checks, steps as step_lib, tasks
   cfg = checks.validated(config)
   data = cfg.data
   devices = target.devices()
@@ -126,10 +125,10 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   except config_lib.ConfigError as e:
     raise AotError(f"{target.name} ({len(devices)} devices): {e}") from None
   vocab = data.vocab_size
-  labelled = DATASETS[data.dataset].labelled
+  task = tasks.of(cfg.model.family, data.dataset)
+  labelled, documents = task.corpus is tasks.LABELLED, task.corpus.documents
   model_cfg = build.model_config(cfg.model, vocab, vocab, platform=target.platform,
                                  max_len=data.max_len, num_labels=AOT_LABELS * labelled)
-  documents = model_cfg.family in config_lib.DOCUMENT_FAMILIES
   if model_cfg.attention_impl == "cudnn" and target.platform == "gpu" and not cudnn_found():
     raise AotError(
         f"cuDNN's fused attention (model.attention_impl={cfg.model.attention_impl!r}: "
@@ -140,7 +139,7 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
   tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
   state, state_shardings = step_lib.abstract_train_state(
       model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
-  masking = step_lib.masking_of(model_cfg.family, vocab, model_cfg.num_labels, cfg.step)
+  masking = task.masking(vocab, cfg.step)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   n = len(devices)
   report = {

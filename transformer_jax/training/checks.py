@@ -11,6 +11,7 @@ import ml_collections
 
 from transformer_jax import config as config_lib, sharding
 from transformer_jax.data.catalog import DATASETS
+from transformer_jax.training import tasks
 
 
 def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_lib.Config:
@@ -18,14 +19,8 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   cfg = config_lib.parse(config)
   config_lib.check(cfg.data.dataset in DATASETS, f"data.dataset={cfg.data.dataset!r} is "
                    f"unknown; choose one of {sorted(DATASETS)}")
-  spec = DATASETS[cfg.data.dataset]
-  kind, families = (("documents", config_lib.DOCUMENT_FAMILIES) if spec.documents else
-                    ("labelled texts", ("encoder_only",)) if spec.labelled else
-                    ("sentence pairs", ("encoder_decoder",)))
-  config_lib.check(cfg.model.family in families,
-                   f"data.dataset={cfg.data.dataset!r} holds {kind}, for {' or '.join(families)} "
-                   f"models; model.family={cfg.model.family!r}")
-  if spec.labelled:  # A classifier: one text a row, one prediction a row.
+  corpus = tasks.of(cfg.model.family, cfg.data.dataset).corpus  # Raises for another family's.
+  if corpus is tasks.LABELLED:  # A classifier: one text a row, one prediction a row.
     config_lib.check(not cfg.data.packing, "data.packing=True packs several texts a row; a "
                      "classifier reads one text a row: set data.packing=False")
     config_lib.check(cfg.step.loss_chunks == 1, f"step.loss_chunks={cfg.step.loss_chunks} "
@@ -33,7 +28,7 @@ def validated(config: ml_collections.ConfigDict | config_lib.Config) -> config_l
   else:
     config_lib.check(cfg.data.train_fraction == 1.0, f"data.train_fraction="
                      f"{cfg.data.train_fraction} picks labelled texts; data.dataset="
-                     f"{cfg.data.dataset!r} holds {kind}: leave it at 1.0")
+                     f"{cfg.data.dataset!r} holds {corpus.name}: leave it at 1.0")
   return cfg
 
 

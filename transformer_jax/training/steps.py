@@ -205,14 +205,11 @@ class Masking:
   words: bytes = b""
 
 
-def masking_of(family: str, vocab_size: int, num_labels: int = 0, step: StepConfig = StepConfig(),
-               tokenizer=None) -> Masking | None:
-  """A family's masking rule (a masked language model's; None for the others and for a
-  classifier, `num_labels` > 0) as `step.masking` and `step.mask_rate` say, its tokenizer
-  having `vocab_size` pieces (the mask id is the next: build.mask_id). Whole words read the
-  `tokenizer`'s pieces; without one (a program compiled, never run) every piece is a word."""
-  if family != "encoder_only" or num_labels:
-    return None
+def masking_rule(vocab_size: int, step: StepConfig = StepConfig(), tokenizer=None) -> Masking:
+  """A masked language model's masking rule (tasks.Task.masking: which runs draw one) as
+  `step.masking` and `step.mask_rate` say, its tokenizer having `vocab_size` pieces (the mask id
+  is the next: build.mask_id). Whole words read the `tokenizer`'s pieces; without one (a program
+  compiled, never run) every piece is a word."""
   words = b""
   if step.masking == "words":
     marks = word_marks(tokenizer) if tokenizer is not None else [1] * vocab_size

@@ -17,10 +17,9 @@ from jax.experimental import multihost_utils
 from transformer_jax import config as config_lib, errors, fs, sharding
 from transformer_jax.models import build, flops as flops_lib
 from transformer_jax.training import (aot, checks, finetune, goodput, preemption as preemption_lib,
-                                      resume, steps as step_lib, writers)
+                                      resume, steps as step_lib, tasks, writers)
 from transformer_jax.training.bleu_eval import BleuEval
-from transformer_jax.data import documents, labelled, pipeline
-from transformer_jax.data.catalog import DATASETS
+from transformer_jax.data import documents, pipeline
 from transformer_jax.runs.workdir import Workdir
 
 
@@ -49,26 +48,19 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir,
            ledger: goodput.Ledger) -> step_lib.TrainState:
   """train_and_evaluate's run, its config and workdir checked."""
   data_cfg, run, ev = cfg.data, cfg.run, cfg.eval
-  lm = cfg.model.family in config_lib.DOCUMENT_FAMILIES  # Documents, not sentence pairs.
-  classifier = DATASETS[data_cfg.dataset].labelled  # Labelled texts, one a row.
+  task = tasks.of(cfg.model.family, data_cfg.dataset)
   workdir = run_dir.path
   # Fine-tuning reads the other run only while this one has no checkpoint of its own.
   source = (finetune.check_source(cfg, run.init_from)
             if run.init_from and not run_dir.checkpoint_steps() else None)
   primary, hosts = jax.process_index() == 0, jax.process_count()
 
-  first_host = dict(
-      is_first_host=primary, tokenizer_from=source,
+  data = task.prepare(
+      cfg, workdir, trained_labels=run_dir.labels(), is_first_host=primary,
+      tokenizer_from=source,
       wait_for_first_host=lambda: hosts > 1 and multihost_utils.sync_global_devices("data"))
-  if classifier:  # Its labels kept in the workdir, in the order of its outputs.
-    data = pipeline.prepare_labelled(data_cfg, workdir, trained_labels=run_dir.labels(),
-                                     **first_host)
-    if primary:
-      run_dir.write_labels(data.label_names)
-  elif lm:
-    data = pipeline.prepare_documents(data_cfg, workdir, **first_host)
-  else:
-    data = pipeline.prepare(data_cfg, workdir, num_bleu_sentences=ev.bleu_sentences, **first_host)
+  if primary and data.label_names:  # A classifier's, in the order of its outputs.
+    run_dir.write_labels(data.label_names)
   # A Ctrl-C that library code swallowed (one raised in a __del__ is only printed) still stops.
   errors.raise_if_interrupted()
   workdir.mkdir(parents=True, exist_ok=True)
@@ -80,42 +72,20 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir,
   state, state_shardings = step_lib.create_train_state(
       model, step_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
       data_cfg.max_len, ema=cfg.step.ema_decay > 0)
-  masking = step_lib.masking_of(cfg.model.family, data.tokenizers.tgt.vocab_size,
-                                model.cfg.num_labels, cfg.step, data.tokenizers.tgt)
+  masking = task.masking(data.tokenizers.tgt.vocab_size, cfg.step, data.tokenizers.tgt)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   if run.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
     p_train = aot.load_train_step(run.compiled_train_step, p_train, state, mesh,
                                   data_cfg.batch_size, data_cfg.max_len)
     logging.info("Running the train step compiled ahead of time in %s", run.compiled_train_step)
-  stream = pipeline.TrainStream(
-      data.train, batch_size=data_cfg.batch_size, max_len=data_cfg.max_len,
-      overlong=data_cfg.overlong, seed=run.seed, pack=data_cfg.packing,
-      num_workers=pipeline.resolve_workers(data_cfg.num_workers),
-      process_index=jax.process_index(), process_count=hosts, concat_prob=data_cfg.concat_prob,
-      concat_max=data_cfg.concat_max, documents=lm, labels=data.train_labels,
-      fraction=data_cfg.train_fraction)
-  rows = dict(batch_size=ev.batch_size, max_len=data_cfg.max_len, pack=data_cfg.packing,
-              process_index=jax.process_index(), process_count=hosts)
-  if classifier:
-    labelled.log_texts(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len,
-                       data.train_labels, data.label_names)
-    if data_cfg.train_fraction < 1:
-      logging.info("data.train_fraction=%g: training on those %d texts only (labelled.subset)",
-                   data_cfg.train_fraction, len(stream.blocks.documents.ids))
-    eval_data = labelled.eval_batches(data.eval, data.eval_labels, **rows)
-    trained = data.train_labels[stream.blocks.documents.ids]  # The texts it trains on.
-    majority = float(np.mean(data.eval_labels == np.argmax(np.bincount(trained))))
-  elif lm:
-    documents.log_documents(data_cfg.train_split, stream.blocks.documents, data_cfg.max_len)
-    eval_data = documents.eval_batches(data.eval, **rows)
-  else:
-    pipeline.log_selection(data_cfg.train_split, stream.selection, data_cfg.max_len)
-    eval_data = pipeline.eval_batches(data.eval, overlong=data_cfg.overlong, **rows)
+  stream = task.stream(cfg, data, pipeline.resolve_workers(data_cfg.num_workers),
+                       jax.process_index(), hosts)
+  eval_data, fixed = task.held_out(cfg, data, stream, jax.process_index(), hosts)
   if ev.num_batches > 0:
     eval_data = eval_data[:ev.num_batches]
   if masking:  # The same masks at every evaluation.
     eval_data = step_lib.masked_once(eval_data, masking, run.seed)
-  per_char = cfg.model.family == "decoder_only" and _per_character(data, eval_data, hosts)
+  per_char = task.per_character and _per_character(data, eval_data, hosts)
 
   ckpt = run_dir.checkpointer(run.checkpoint_every, run.keep_checkpoints)
   ledger.enter("restore")
@@ -197,9 +167,9 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir,
           eval_start = time.perf_counter()
           result = step_lib.summarize_eval(
               [p_eval(state, sharding.global_batch(b, mesh)) for b in eval_data], per_char)
-          if classifier:  # Against always guessing the training split's most frequent label.
-            result.pop("perplexity")  # Of a token, not a label.
-            result["majority_accuracy"] = majority
+          if not task.corpus.perplexity:
+            result.pop("perplexity")
+          result.update(fixed)
           if bleu_eval:
             result["bleu"], examples = bleu_eval(state.eval_params())
             writer.write_texts(step, {"eval/examples": "\n".join(examples)})
