@@ -167,6 +167,7 @@ class Checkpointer:
     each checkpoint and checked against the one saved before any array is read."""
     self.directory = Path(directory).absolute()
     self.tokenizer_digest = tokenizer_digest
+    _drop_abandoned_io_echoes()  # Before the first read or write: either may fail midway.
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -231,7 +232,6 @@ class Checkpointer:
       state_like: a state (or abstract state) with the structure, shapes and dtypes to restore.
     """
     self._check_step(step)
-    _drop_abandoned_read_errors()  # Every reader (resume, average) may meet a failed read.
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_like, state_shardings)
     self.check_fits(step, target)
@@ -277,7 +277,6 @@ class Checkpointer:
         fingerprints traced for the device.
     """
     self._check_step(step)
-    _drop_abandoned_read_errors()
     if via_host is None:
       via_host = all(d.process_index == jax.process_index() and d.platform != "cpu"
                      for d in mesh.devices.flat)
@@ -409,16 +408,18 @@ class Checkpointer:
 _ABANDONED_READ_ERRORS = ("Event loop is closed", "Encountered error while reading array index")
 
 
-def _drop_abandoned_read_errors() -> None:
-  """Quiets the echoes of a read that fails on a damaged checkpoint (which is reported once).
+def _drop_abandoned_io_echoes() -> None:
+  """Quiets the echoes of a read that fails on a damaged checkpoint, or a write that fails on
+  a full disk (each reported once, as a warning or an error line).
 
-  The read stops at the first array that fails; orbax then closes its event loop while
-  tensorstore finishes the other reads, and each of them reports the closed loop or the same
-  damage through `sys.unraisablehook`, or leaves a coroutine never awaited, or a task whose
-  exception asyncio's logger reports as never retrieved (with its traceback), at any later
-  time (often at exit, after a command's one error line). Exactly those are dropped.
+  The read or write stops at the first array that fails; orbax then closes its event loop
+  while tensorstore finishes the others, and each of them reports the closed loop or the same
+  damage through `sys.unraisablehook` (with no object: a bare traceback), or leaves a
+  coroutine never awaited, or a task whose exception asyncio's logger reports as never
+  retrieved (with its traceback), at any later time: during training, before the failure
+  reaches the main thread, or at exit, after a command's error line. Exactly those are dropped.
   """
-  if _drop_unraisable("abandoned reads",
+  if _drop_unraisable("abandoned reads and writes",
                       lambda u: str(u.exc_value).startswith(_ABANDONED_READ_ERRORS)):
     warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
                             "awaited", RuntimeWarning)
