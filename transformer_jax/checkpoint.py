@@ -405,7 +405,7 @@ class Checkpointer:
       self.manager.close()
 
 
-_ABANDONED_READ_ERRORS = ("Event loop is closed", "Encountered error while reading array index")
+_ABANDONED_IO_ERRORS = ("Event loop is closed", "Encountered error while reading array index")
 
 
 def _drop_abandoned_io_echoes() -> None:
@@ -420,16 +420,16 @@ def _drop_abandoned_io_echoes() -> None:
   reaches the main thread, or at exit, after a command's error line. Exactly those are dropped.
   """
   if _drop_unraisable("abandoned reads and writes",
-                      lambda u: str(u.exc_value).startswith(_ABANDONED_READ_ERRORS)):
+                      lambda u: str(u.exc_value).startswith(_ABANDONED_IO_ERRORS)):
     warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
                             "awaited", RuntimeWarning)
-    std_logging.getLogger("asyncio").addFilter(_not_an_abandoned_read)
+    std_logging.getLogger("asyncio").addFilter(_not_an_abandoned_io_echo)
 
 
-def _not_an_abandoned_read(record: std_logging.LogRecord) -> bool:
-  """A logging filter: False for a record of one of an abandoned read's errors."""
+def _not_an_abandoned_io_echo(record: std_logging.LogRecord) -> bool:
+  """A logging filter: False for a record of one of an abandoned read's or write's errors."""
   error = record.exc_info[1] if record.exc_info else None
-  return error is None or not str(error).startswith(_ABANDONED_READ_ERRORS)
+  return error is None or not str(error).startswith(_ABANDONED_IO_ERRORS)
 
 
 def _drop_echoes(names: tuple[str, ...]) -> None:
