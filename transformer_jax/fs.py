@@ -52,6 +52,32 @@ def check_output_file(path: str | Path, what: str) -> None:
   check_writable(p, what)
 
 
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_replaceable(path: str | Path, what: str, kind: str) -> None:
+  """Raises NotWritableError where `path` is an existing file that is not of the `kind`
+  ("text" or "png") the command writes: a corpus, a tokenizer model or a run's log would be
+  replaced by what was meant for a new file. A missing path, or one not a regular file
+  (/dev/null), passes."""
+  p = Path(path)
+  if not p.is_file():
+    return
+  with open(p, "rb") as f:
+    head = f.read(1 << 16)
+  if kind == "png":
+    ok = not head or head.startswith(_PNG_MAGIC)
+  else:
+    try:
+      head.decode("utf-8")
+      ok = b"\0" not in head
+    except UnicodeDecodeError as e:
+      ok = e.start > len(head) - 4  # A character cut by the 64 KB read.
+  if not ok:
+    raise NotWritableError(f"{what} {path} exists and is not a {'PNG' if kind == 'png' else kind} "
+                           "file: it would be overwritten; name a new file")
+
+
 @contextlib.contextmanager
 def new_directory(output: str | Path):
   """Yields a new, empty directory beside `output`, renamed to `output` when the block

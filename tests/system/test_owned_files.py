@@ -251,3 +251,64 @@ def test_what_export_and_average_write_follows_the_users_umask(trained, tmp_path
   assert len(modes) > 2
   assert {m for p, m in modes.items() if (tmp_path / p).is_dir()} == {"0o755"}, modes
   assert {m for p, m in modes.items() if (tmp_path / p).is_file()} == {"0o644"}, modes
+
+
+@pytest.mark.parametrize("inside", ["metrics.jsonl", "config.json", "goodput.jsonl",
+                                    "tokenizer.model", "checkpoints/curves.png"])
+def test_report_png_over_a_runs_file_is_refused(run_copy, inside):
+  """report once drew its PNG over the run's config.json or logs (exit 0), after which
+  translate called the run damaged."""
+  before = _tree_digest(run_copy)
+  result = _run("-m", "transformer_jax", "report", "--workdir", str(run_copy), "--png",
+                str(run_copy / inside))
+  assert _one_error_line(result) == (
+      f"error: --png {run_copy / inside} is inside the workdir {run_copy}: name a file "
+      "outside it (its files are the run's)")
+  assert _tree_digest(run_copy) == before
+
+
+def test_report_draws_beside_the_runs_files_and_never_over_another_kind(run_copy, tmp_path):
+  before = _tree_digest(run_copy)
+  for _ in range(2):  # The default, then drawn again over its own PNG.
+    result = _run("-m", "transformer_jax", "report", "--workdir", str(run_copy))
+    assert result.returncode == 0, result.stderr[-3000:]
+  drawn = (run_copy / "report.png").read_bytes()
+  assert drawn.startswith(b"\x89PNG\r\n\x1a\n")
+  assert _tree_digest(run_copy) == {**before, "report.png": _tree_digest(run_copy)["report.png"]}
+  corpus = tmp_path / "fra-eng.zip"  # Anyone's file that is not a PNG: a corpus, notes.
+  corpus.write_bytes(b"PK\x03\x04 a corpus")
+  notes = tmp_path / "notes.txt"
+  notes.write_text("mine")
+  for path, kind in ((corpus, "PNG"), (notes, "PNG")):
+    result = _run("-m", "transformer_jax", "report", "--workdir", str(run_copy), "--png",
+                  str(path))
+    assert _one_error_line(result) == (
+        f"error: --png {path} exists and is not a {kind} file: it would be overwritten; name "
+        "a new file")
+  assert corpus.read_bytes() == b"PK\x03\x04 a corpus" and notes.read_text() == "mine"
+
+
+def test_text_outputs_never_replace_a_binary_file_a_dataset_or_a_run(run_copy, tmp_path):
+  """translate's, generate's, fill's and classify's --output share one check."""
+  corpus = tmp_path / "fra-eng.zip"
+  corpus.write_bytes(b"PK\x03\x04\x00\x00 a corpus")
+  prepared = tmp_path / "tfds" / "fra_eng" / "1.0.0"
+  prepared.mkdir(parents=True)
+  (prepared / "dataset_info.json").write_text("{}")
+  cases = [
+      (["translate", "--workdir", str(run_copy), "--output", str(corpus), "Hello."],
+       f"error: --output {corpus} exists and is not a text file: it would be overwritten; "
+       "name a new file"),
+      (["translate", "--workdir", str(run_copy), "--output", str(prepared / "out.txt"),
+        "Hello."],
+       f"error: --output {prepared / 'out.txt'} is inside the prepared dataset {prepared}: "
+       "name a file outside it"),
+      (["fill", "--workdir", str(run_copy), "--output", str(run_copy / "metrics.jsonl"),
+        "a [MASK]"],
+       f"error: --output {run_copy / 'metrics.jsonl'} is inside the workdir {run_copy}: name "
+       "a file outside it (its files are the run's)"),
+  ]
+  before = _tree_digest(tmp_path)
+  for args, message in cases:
+    assert _one_error_line(_run("-m", "transformer_jax", *args)) == message
+  assert _tree_digest(tmp_path) == before

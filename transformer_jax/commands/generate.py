@@ -80,9 +80,6 @@ def main(argv):
       if FLAGS.input and Path(FLAGS.output).resolve() == Path(FLAGS.input).resolve():
         raise InferenceError(f"--output {FLAGS.output} is the --input file: it would be "
                              "overwritten")
-      if Path(FLAGS.workdir).resolve() in Path(FLAGS.output).resolve().parents:
-        raise InferenceError(f"--output {FLAGS.output} is inside the workdir {FLAGS.workdir}: "
-                             "name a file outside it (its files are the run's)")
     Workdir(FLAGS.workdir).check_family("decoder_only", "generate")
     from transformer_jax.decoding.completer import Completer  # The model loads after the checks.
     launch.use_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache_dir)

@@ -17,6 +17,7 @@ from absl import app, flags
 
 from transformer_jax import errors, fs
 from transformer_jax.commands import launch
+from transformer_jax.runs.workdir import check_file_outside_runs
 
 
 class ReportError(errors.UserError):
@@ -92,6 +93,8 @@ def main(argv):
         pass  # A torn last line of a killed run.
     png = Path(F.png) if F.png else workdir / "report.png"
     fs.check_output_file(png, "--png")
+    check_file_outside_runs(png, "--png", may_add="png")  # Beside the run's files, not over one.
+    fs.check_replaceable(png, "--png", "png")
     print(f"{workdir}: " + "\n".join(ledger_lines(lines)))
     _curves(records, png)
     print(f"curves: {png}")

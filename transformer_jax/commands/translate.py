@@ -147,10 +147,6 @@ def main(argv):
                            f"{FLAGS.max_len}")
     if FLAGS.output:
       check_output_path(FLAGS.output)
-      for workdir in FLAGS.workdir:
-        if Path(workdir).resolve() in Path(FLAGS.output).resolve().parents:
-          raise InferenceError(f"--output {FLAGS.output} is inside the workdir {workdir}: "
-                               "name a file outside it (its files are the run's)")
     if FLAGS.slots != "auto" and not (FLAGS.slots.isdigit()):
       raise InferenceError(f"--slots must be 'auto', 0 (fixed batches) or a count, got "
                            f"{FLAGS.slots!r}")

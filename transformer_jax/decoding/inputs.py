@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformer_jax import errors, fs
 from transformer_jax.decoding.options import InferenceError
-from transformer_jax.runs.workdir import Workdir
+from transformer_jax.runs.workdir import Workdir, check_file_outside_runs
 
 
 def read_lines(path: str) -> list[str]:
@@ -33,13 +33,16 @@ def read_lines(path: str) -> list[str]:
 
 
 def check_output_path(path: str) -> None:
-  """Raises before any work where `path` cannot be written as a file."""
+  """Raises before any work where `path` cannot be written as a file, or would replace a
+  run's, a dataset's or any file that is not text."""
   p = Path(path)
   if p.is_dir():
     raise InferenceError(f"--output {path} is a directory")
   if not p.parent.is_dir():
     raise InferenceError(f"--output {path}: directory {p.parent} does not exist")
   fs.check_writable(p, "--output")
+  check_file_outside_runs(p, "--output")
+  fs.check_replaceable(p, "--output", "text")
 
 
 def split_pairs(workdir: str, split: str) -> tuple[list[str], list[str]]:

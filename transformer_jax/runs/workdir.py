@@ -80,10 +80,39 @@ def check_outside_runs(path: str | Path, flag: str = "") -> None:
   inside a training workdir: an ancestor holding a run's checkpoints/ or writer.lock. The run's
   files are the run's, and train.py takes a checkpoint-shaped folder under checkpoints/ for a
   damaged checkpoint."""
-  for parent in Path(path).resolve().parents:
-    if (parent / CHECKPOINTS).is_dir() or (parent / LOCK).exists():
-      raise WorkdirError(f"{flag + ' ' if flag else ''}{path} is inside the workdir {parent}: "
-                         "name a directory outside it (its files are the run's)")
+  if (run := _run_holding(Path(path).resolve())) is not None:
+    raise WorkdirError(f"{flag + ' ' if flag else ''}{path} is inside the workdir {run}: "
+                       "name a directory outside it (its files are the run's)")
+
+
+def _run_holding(path: Path) -> Path | None:
+  """The training workdir `path` (resolved) lies in, if any."""
+  return next((parent for parent in path.parents
+               if (parent / CHECKPOINTS).is_dir() or (parent / LOCK).exists()), None)
+
+
+def check_file_outside_runs(path: str | Path, flag: str, may_add: str = "") -> None:
+  """A one-line WorkdirError where the output file `path` (the value of `flag`) lies inside a
+  training workdir. `may_add` ("png") lets a new file of that suffix, or one already of that
+  kind, sit directly in a workdir beside its files (report's curves), never in place of one of
+  them nor under checkpoints/."""
+  resolved = Path(os.path.realpath(path))
+  for parent in resolved.parents:  # A dataset's or a token cache's files are read by runs.
+    for marker, what in (("dataset_info.json", "the prepared dataset"),
+                         ("meta.json", "the token cache")):
+      if (parent / marker).is_file() and (what != "the token cache"
+                                           or any(parent.glob("*.tokens"))):
+        raise WorkdirError(f"{flag} {path} is inside {what} {parent}: name a file outside it")
+  run = _run_holding(resolved)
+  if run is None:
+    return
+  ours = resolved.name in {CONFIG, LOCK, LABELS, "metrics.jsonl", "goodput.jsonl",
+                           *TOKENIZER_FILES}
+  if (may_add and resolved.parent == run and not ours
+      and resolved.suffix.lower() == f".{may_add}"):
+    return
+  raise WorkdirError(f"{flag} {path} is inside the workdir {run}: name a file outside it "
+                     "(its files are the run's)")
 
 
 class Workdir:
