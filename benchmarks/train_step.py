@@ -114,9 +114,10 @@ def train_setup(config, mesh=None, masking=None):
   mesh = mesh or sharding.make_mesh(c.run.mesh_shape)
   cfg = build.model_config(c.model, c.data.vocab_size, c.data.vocab_size,
                               max_len=c.data.max_len)
+  model = build.build_model(cfg)
   state, shardings = step_lib.create_train_state(
-      build.build_model(cfg), step_lib.make_optimizer(c.optimizer, c.run.num_steps), 0, mesh,
-      c.data.max_len, ema=c.step.ema_decay > 0)
+      model, step_lib.make_optimizer(c.optimizer, c.run.num_steps, model), 0, mesh,
+      c.data.max_len, ema=c.eval_params_kept)
   p_train, _ = step_lib.jit_steps(shardings, mesh, c.step, masking)
   return cfg, mesh, state, p_train
 

@@ -29,7 +29,11 @@ import ml_collections
 
 from transformer_jax.errors import UserError
 
-SCHEDULES = ("rsqrt", "cosine", "constant")
+SCHEDULES = ("rsqrt", "cosine", "wsd", "constant")
+# optax's: AdamW; Muon (optax.contrib.muon: the block matrices orthogonalized, the rest through
+# Adam); schedule-free AdamW (optax.contrib.schedule_free_adamw: no schedule, and parameters of
+# its own for evaluation).
+OPTIMIZERS = ("adamw", "muon", "schedule_free_adamw")
 # When a beam search ends (decode.py). "exact": once no live beam can beat the K finished ones
 # (the best translation the beam can find; a search with a length penalty often runs to its
 # limit). "first_k": once K hypotheses have ended, each an <eos> among the step's K best
@@ -238,20 +242,42 @@ class ModelConfig(_Section):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig(_Section):
-  """Adam(W) with global-norm clipping and a learning-rate schedule over run.num_steps."""
+  """One of optax's optimizers with global-norm clipping and a learning-rate schedule over
+  run.num_steps."""
   NAME = "optimizer"
-  schedule: str = "rsqrt"  # One of SCHEDULES.
+  name: str = "adamw"  # One of OPTIMIZERS.
+  # One of SCHEDULES: "rsqrt" (the paper's), "cosine" (to 0), "wsd" (warmup, stable, then a
+  # linear decay to 0 over the last decay_fraction of the run), "constant" (schedule-free's:
+  # after its warmup).
+  schedule: str = "rsqrt"
   learning_rate: float = 7e-4  # Peak; the paper's d_model**-0.5 * warmup**-0.5 at base size.
   warmup_steps: int = 4000  # Linear warmup from 0; 0: none (rsqrt then decays from step 1).
-  adam_b1: float = 0.9
+  decay_fraction: float = 0.2  # "wsd": the share of run.num_steps its decay takes.
+  adam_b1: float = 0.9  # Schedule-free's interpolation (its b1) too.
   adam_b2: float = 0.98
   adam_eps: float = 1e-9
+  # Decoupled, on the matrices (Muon: those it orthogonalizes); never on biases and norms.
   weight_decay: float = 0.0
   grad_clip: float = 1.0  # Global gradient-norm bound; 0: no clipping.
+  # Muon: the momentum of its orthogonalized updates, and their learning rate as a multiple of
+  # learning_rate (the embeddings, norms and biases take learning_rate through Adam). Its
+  # updates are scaled to AdamW's RMS (0.2, "Muon is Scalable"), so one rate suits both.
+  muon_beta: float = 0.95
+  muon_lr_scale: float = 1.0
 
   def check(self):
+    check(self.name in OPTIMIZERS,
+          f"optimizer.name={self.name!r} must be one of {', '.join(OPTIMIZERS)}")
     check(self.schedule in SCHEDULES,
           f"optimizer.schedule={self.schedule!r} must be one of {SCHEDULES}")
+    check(self.name != "schedule_free_adamw" or self.schedule == "constant",
+          f"optimizer.name='schedule_free_adamw' follows no schedule: set optimizer.schedule="
+          f"'constant' (it warms up over optimizer.warmup_steps), not {self.schedule!r}")
+    check(0 < self.decay_fraction <= 1,
+          f"optimizer.decay_fraction={self.decay_fraction} must be in (0, 1]")
+    check(0 <= self.muon_beta < 1, f"optimizer.muon_beta={self.muon_beta} must be in [0, 1)")
+    check(self.muon_lr_scale > 0,
+          f"optimizer.muon_lr_scale={self.muon_lr_scale} must be positive")
     check(self.learning_rate > 0,
           f"optimizer.learning_rate={self.learning_rate} must be positive")
     check(self.warmup_steps >= 0,
@@ -422,12 +448,22 @@ class Config:
           "data.packing=False (packed rows need attention_mask='segments')")
     check(not self.model.share_embeddings or data.tokenizer != "word",
           "model.share_embeddings needs one joint tokenizer (data.tokenizer='sentencepiece')")
+    check(not (self.step.ema_decay and self.optimizer.name == "schedule_free_adamw"),
+          f"step.ema_decay={self.step.ema_decay} and optimizer.name='schedule_free_adamw' "
+          "both make the parameters evaluation reads: set step.ema_decay=0 (schedule-free "
+          "already averages)")
     check(data.tokenizer != "huggingface" or self.run.init_from,
           "data.tokenizer='huggingface' is the tokenizer of the Hugging Face checkpoint that "
           "run.init_from names: set run.init_from")
 
   def to_dict(self) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(self)
+
+  @property
+  def eval_params_kept(self) -> bool:
+    """Whether the train state keeps parameters of their own for evaluation, decoding and
+    checkpoint averaging (`ema_params`): a moving average, or schedule-free's."""
+    return self.step.ema_decay > 0 or self.optimizer.name == "schedule_free_adamw"
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -66,6 +66,11 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
 
 def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_RULES):
   """NamedShardings for a tree of (abstract) values boxed with logical axis names."""
+  # A box around no array (optax's MaskedNode: the parameters one part of Muon's partitioned
+  # state leaves to the other) is no leaf: unboxed, it holds nothing to place.
+  boxed_tree = jax.tree.map(
+      lambda x: x.unbox() if isinstance(x, nn.Partitioned) and not jax.tree.leaves(x.unbox())
+      else x, boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_tree), mesh, rules)
 
 

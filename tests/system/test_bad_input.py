@@ -279,3 +279,21 @@ def test_damaged_tokenizer_file_is_named(smoke_config, tmp_path, content):
   with pytest.raises(TokenizerError, match=r"tokenizer.model is damaged or empty"):
     trainer.train_and_evaluate(smoke_config, str(workdir))
   assert sorted(p.name for p in workdir.iterdir()) == ["tokenizer.model"]
+
+
+def test_schedule_free_with_a_moving_average_is_one_error(smoke_config, tmp_path):
+  smoke_config.optimizer.update(name="schedule_free_adamw", schedule="constant")
+  smoke_config.step.ema_decay = 0.99
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      "step.ema_decay=0.99 and optimizer.name='schedule_free_adamw' both make the parameters "
+      "evaluation reads: set step.ema_decay=0 (schedule-free already averages)")):
+    trainer.train_and_evaluate(smoke_config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_warmup_stable_decay_holds_its_peak_then_falls_to_zero():
+  cfg = step_lib.OptimizerConfig(schedule="wsd", learning_rate=1e-3, warmup_steps=10,
+                                  decay_fraction=0.25)
+  schedule = step_lib.learning_rate_schedule(cfg, num_steps=100)
+  rates = [float(schedule(s)) for s in (5, 10, 50, 75, 90, 100)]
+  assert rates == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 4e-4, 0.0])

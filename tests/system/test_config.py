@@ -50,6 +50,13 @@ def test_d2l_tiny_has_the_chapters_settings():
 @pytest.mark.parametrize("field,value,message", [
     ("data.dataset", "nope", "data.dataset='nope' is unknown"),
     ("optimizer.schedule", "linear", "optimizer.schedule='linear' must be one of"),
+    ("optimizer.name", "lion", "optimizer.name='lion' must be one of adamw, muon, "
+     "schedule_free_adamw"),
+    ("optimizer.name", "schedule_free_adamw", "optimizer.name='schedule_free_adamw' follows no "
+     "schedule: set optimizer.schedule='constant' (it warms up over optimizer.warmup_steps), "
+     "not 'cosine'"),
+    ("optimizer.muon_beta", 1.0, "optimizer.muon_beta=1.0 must be in "),
+    ("optimizer.decay_fraction", 0.0, "optimizer.decay_fraction=0.0 must be in (0, 1]"),
     ("model.layer_norm_eps", 0.0, "model.layer_norm_eps=0.0 must be in (0, 1)"),
     ("run.mesh_shape", (1, 1), "run.mesh_shape=(1, 1) must have 3 entries"),
     ("step.grad_accum_steps", 5, "step.grad_accum_steps=5 must divide data.batch_size=36"),
@@ -222,3 +229,15 @@ def test_a_runs_config_is_read_once_a_process_until_its_file_changes(tmp_path):
       first, decode=dataclasses.replace(first.decode, beam_size=7)))
   again = Workdir(tmp_path / "w").load_config()
   assert again is not first and again.decode.beam_size == 7
+
+
+def test_a_run_resumed_with_another_optimizer_is_refused():
+  from configs import fra_eng
+  from transformer_jax.training import resume
+  saved = config_lib.parse(fra_eng.get_config())
+  changed = fra_eng.get_config()
+  changed.optimizer.name = "muon"
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      "the workdir's checkpoints are of another model: optimizer.name='muon' (its config.json: "
+      "'adamw')")):
+    resume.check_same_model(saved, config_lib.parse(changed))

@@ -494,3 +494,31 @@ def test_a_write_that_outlives_orbaxs_event_loop_is_not_echoed():
   assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr[-2000:]
   assert "Event loop is closed" not in proc.stderr, proc.stderr[-2000:]
   assert "ValueError: another" in proc.stderr
+
+
+@pytest.mark.parametrize("optimizer", [
+    ("--config.optimizer.name=muon",),
+    ("--config.optimizer.name=schedule_free_adamw", "--config.optimizer.schedule=constant")])
+def test_muon_and_schedule_free_runs_resume_exactly_after_a_kill(tmp_path, tfds_dir, cache_dir,
+                                                                 fra_eng_builder, optimizer):
+  """SIGKILLed at a random step past the first checkpoint, then run to the end: the state
+  (Muon's momentum and Adam's moments; schedule-free's points and the evaluation parameters
+  it keeps) bit for bit an uninterrupted run's."""
+  straight_dir = tmp_path / "straight"
+  _run(straight_dir, tfds_dir, cache_dir, *optimizer)
+  killed = tmp_path / "killed"
+  at = random.Random().randint(6, NUM_STEPS - 4)
+  proc = _start(killed, tfds_dir, cache_dir, *optimizer)
+  lines = []
+  _wait_for_line(proc, rf"\] \[{at}\] steps_per_sec", lines)
+  os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+  proc.stdout.close()
+  log = _run(killed, tfds_dir, cache_dir, *optimizer)
+  assert re.search(r"Resuming from the checkpoint of step (4|8|12|16|20|24)\b", log), log[-3000:]
+  state = _final_state(killed)
+  if "schedule_free" in optimizer[0]:  # Evaluation reads its own parameters, kept apart.
+    assert state["ema_params"] is not None
+  _assert_bitwise_equal(state, _final_state(straight_dir))
+  assert [r["train/loss"] for r in _train_records(killed)] == [
+      r["train/loss"] for r in _train_records(straight_dir)]

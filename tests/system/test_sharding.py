@@ -18,6 +18,10 @@ MESHES = {  # (data, fsdp, tensor): the shard shapes of an FFN kernel and an emb
     "8,1,1:sorted": ([32, 64], [128, 32]),
     "2,2,2:sorted": ([16, 32], [64, 16]),
     "2,2,2:onehot": ([16, 32], [64, 16]),
+    # Muon's Newton-Schulz on split matrices; schedule-free's state and evaluation point.
+    "2,2,2:scatter:muon": ([16, 32], [64, 16]),
+    "1,8,1:scatter:muon": ([4, 64], [128, 4]),
+    "2,2,2:scatter:schedule_free_adamw": ([16, 32], [64, 16]),
 }
 
 
@@ -34,10 +38,13 @@ def trained_on_meshes():
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_meshes_give_single_device_losses_and_split_parameters(trained_on_meshes, mesh_shape):
-  single, mesh = trained_on_meshes["single"], trained_on_meshes["meshes"][mesh_shape]
+  optimizer = (mesh_shape.split(":") + ["", ""])[2] or "adamw"
+  single = trained_on_meshes["single"][optimizer]
+  mesh = trained_on_meshes["meshes"][mesh_shape]
   np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=2e-5)
   assert single["losses"][-1] < single["losses"][0]
   assert [mesh["wi_shard"], mesh["embed_shard"]] == list(MESHES[mesh_shape])
+  assert mesh["wi_copies"] == [mesh["wi_shard"]]  # The optimizer's state is split alike.
   assert single["wi_shard"] == [32, 64]
 
 

@@ -240,3 +240,50 @@ def test_gelu_is_the_erf_form_within_float32_noise_of_jaxs():
   grad = jax.vmap(jax.grad(gelu_erf))(x)
   want = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=False)))(x)
   np.testing.assert_allclose(grad, want, atol=2e-6)
+
+
+def test_muon_orthogonalizes_the_block_matrices_and_leaves_the_rest_to_adam():
+  """Muon's matrices are read from the logical axis names: each attention kernel as the
+  product it computes ([D, N*H] or [N*H, D]), the FFN's, a scanned stack's per layer; the
+  embedding (tied to the output), norms and biases go through Adam."""
+  from transformer_jax.models import build
+  for scan in (False, True):
+    model = Transformer(tiny_model_config(scan_layers=scan))
+    dims = step_lib.muon_dimensions(build.abstract_params(model))
+    flat = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
+        dims, is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))[0]}
+    lead = 1 if scan else 0  # The stack's "layers" axis leads: a batch axis.
+    block = "['encoder_stack']['layers']['block']" if scan else "['encoder_0']"
+    got = {name.removeprefix(block): (d and (d.reduction_axis, d.output_axis))
+           for name, d in flat.items() if name.startswith(block)}
+    shift = lambda *axes: tuple(lead + a for a in axes)
+    assert got["['self_attention']['query_kernel']"] == (shift(0), shift(1, 2))
+    assert got["['self_attention']['out_kernel']"] == (shift(0, 1), shift(2))
+    assert got["['ffn']['wi']['kernel']"] == (shift(0), shift(1))
+    assert got["['ffn']['wo']['kernel']"] == (shift(0), shift(1))
+    for adam in ("['self_attention']['query_bias']", "['self_attention']['out_bias']",
+                 "['ffn']['wi']['bias']", "['attention_sublayer']['norm']['scale']"):
+      assert got[adam] is None, adam
+    assert flat["['src_embed']['embedding']"] is None
+
+
+def test_schedule_free_state_evaluates_at_its_averaged_point():
+  """The train state's ema_params under schedule-free AdamW are optax's evaluation
+  parameters of the step's state, not the point its gradients were taken at."""
+  cfg = step_lib.OptimizerConfig(name="schedule_free_adamw", schedule="constant",
+                                  warmup_steps=2, learning_rate=1e-2)
+  model = Transformer(tiny_model_config(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
+  mesh = sharding.make_mesh((-1, 1, 1))
+  state, shardings = step_lib.create_train_state(
+      model, step_lib.make_optimizer(cfg, 10), 0, mesh, LENGTH, ema=True)
+  p_train, _ = step_lib.jit_steps(shardings, mesh, step_lib.StepConfig())
+  with sharding.mesh_context(mesh):
+    for _ in range(3):
+      state, _ = p_train(state, sharding.global_batch(_batch(), mesh))
+  expected = optax.contrib.schedule_free_eval_params(
+      step_lib.schedule_free_state(state.opt_state), state.params)
+  for got, want, y in zip(jax.tree.leaves(state.ema_params), jax.tree.leaves(expected),
+                          jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(state.ema_params),
+                                                   jax.tree.leaves(state.params)))

@@ -107,8 +107,9 @@ def define_flags():
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache (a "
                       "later command loads the decoder instead of compiling it); default: the "
                       "training run's (run.compilation_cache_dir, or WORKDIR/jax_cache).")
-  flags.DEFINE_bool("ema", True, "Decode with the parameters' moving average where the run kept "
-                    "one (ema_decay > 0); --noema: with the parameters themselves.")
+  flags.DEFINE_bool("ema", True, "Decode with the evaluation parameters where the run kept them "
+                    "(a moving average, ema_decay > 0, or schedule-free AdamW's); --noema: with "
+                    "the parameters themselves.")
 
 
 def main(argv):

@@ -34,7 +34,8 @@ class Translator:
     """`workdir`: one, or several decoded as an ensemble (their log-probabilities averaged at
     every step); the first gives the config (max_len, decoding defaults). `step`: the
     checkpoint to read (every workdir's), default the newest that verifies. `ema`: decode with
-    the parameters' moving average where a run kept one (ema_decay > 0). `programs`: where the
+    the evaluation parameters where a run kept them (a moving average, ema_decay > 0, or
+    schedule-free's). `programs`: where the
     decoding slots' compiled programs are kept for later commands. `platform`: whose slot
     settings (lanes, width classes, run sizes) decode_slots uses, default the device's ("cpu",
     "gpu" or "tpu"; a CPU can run an accelerator's)."""

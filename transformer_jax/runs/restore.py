@@ -79,7 +79,7 @@ def restore(workdir: str | Path, kind: str | None = None, command: str = "",
   if kind is not None:
     run.check_family(kind, command)
   config, tokenizers, model = open_run(run)
-  uses_ema = ema and config.step.ema_decay > 0
+  uses_ema = ema and config.eval_params_kept
   mesh = sharding.make_mesh((-1, 1, 1)) if mesh is None else mesh
   step, params = read_params(run, model, mesh,
                              "ema_params" if uses_ema else "params", step, programs)

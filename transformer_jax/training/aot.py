@@ -136,9 +136,9 @@ def compile_report(config, target: Target, programs=PROGRAMS, beam_size: int = 4
         f"{install_command('cudnn', plugins_dir())} (or compile XLA's attention: "
         "--config.model.attention_impl=xla)")
   model = build.build_model(model_cfg)
-  tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps)
+  tx = step_lib.make_optimizer(cfg.optimizer, cfg.run.num_steps, model)
   state, state_shardings = step_lib.abstract_train_state(
-      model, tx, mesh, data.max_len, ema=cfg.step.ema_decay > 0)
+      model, tx, mesh, data.max_len, ema=cfg.eval_params_kept)
   masking = task.masking(vocab, cfg.step)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   n = len(devices)

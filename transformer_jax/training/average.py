@@ -37,9 +37,9 @@ def state_of(run: Opened):
   devices: what to restore them into."""
   config = run.config
   return step_lib.create_train_state(
-      run.model, step_lib.make_optimizer(config.optimizer, config.run.num_steps),
+      run.model, step_lib.make_optimizer(config.optimizer, config.run.num_steps, run.model),
       config.run.seed, sharding.make_mesh((-1, 1, 1)), config.data.max_len,
-      ema=config.step.ema_decay > 0)
+      ema=config.eval_params_kept)
 
 
 # Tries at reading a consistent set of the newest checkpoints while a live run rotates them.

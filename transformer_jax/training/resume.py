@@ -48,6 +48,8 @@ def check_same_model(saved: config_lib.Config, cfg: config_lib.Config) -> None:
   if bool(saved.step.ema_decay) != bool(cfg.step.ema_decay):
     # The checkpoints hold a moving average or do not.
     changed.append(("step.ema_decay", cfg.step.ema_decay, saved.step.ema_decay))
+  if saved.optimizer.name != cfg.optimizer.name:  # Their states are of another optimizer's.
+    changed.append(("optimizer.name", cfg.optimizer.name, saved.optimizer.name))
   config_lib.check(not changed, "the workdir's checkpoints are of another model: " + ", ".join(
       f"{name}={now!r} (its {CONFIG}: {was!r})" for name, now, was in changed))
 

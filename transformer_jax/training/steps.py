@@ -35,12 +35,22 @@ class TrainState(train_state.TrainState):
 
 def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int) -> optax.Schedule:
   """`rsqrt`: the paper's linear warmup then inverse square root decay, peaking at
-  `learning_rate`; `cosine`: warmup then cosine decay to 0 at `num_steps`; `constant`."""
+  `learning_rate`; `cosine`: warmup then cosine decay to 0 at `num_steps`; `wsd`: warmup, the
+  peak, then a linear decay to 0 over the last `decay_fraction` of `num_steps`; `constant`
+  (after schedule-free's warmup)."""
   peak, warmup = cfg.learning_rate, cfg.warmup_steps
   if cfg.schedule == "constant":
+    if cfg.name == "schedule_free_adamw":
+      return optax.warmup_constant_schedule(0.0, peak, max(warmup, 1))
     return optax.constant_schedule(peak)
   if cfg.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(num_steps, warmup + 1))
+  if cfg.schedule == "wsd":
+    decay = max(1, round(cfg.decay_fraction * num_steps))
+    stable = max(num_steps - decay - warmup, 0)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak),
+         optax.linear_schedule(peak, 0.0, decay)], [warmup, warmup + stable])
   if warmup == 0:
     return lambda s: peak * jax.lax.rsqrt(s + 1.0)
   return optax.join_schedules(
@@ -49,14 +59,66 @@ def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int) -> optax.Schedu
       [warmup])
 
 
-def make_optimizer(cfg: OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping (none where grad_clip is 0) then Adam(W) with the config's betas,
-  epsilon and schedule (over a run of `num_steps`)."""
+def muon_dimensions(boxed_params):
+  """Muon's view of each parameter, from its logical axis names: a block's matrix (embed and
+  names only of mlp, heads and kv; a scanned stack's "layers" axis is a batch axis) as the product
+  it computes, contracting its input axes (the leading "embed", or all but the trailing
+  "embed") into its output ones; None (Adam) for the rest: embeddings and the vocabulary
+  projection, positions, norms, biases, a classifier's head."""
+  matrix = {"embed", "mlp", "heads", "kv"}
+
+  def dims(box):
+    names = tuple(n for n in box.names if n != "layers")
+    if len(names) < 2 or not set(names) <= matrix or "embed" not in names:  # A bias [N, H].
+      return None
+    offset = len(box.names) - len(names)  # "layers" leads a scanned stack.
+    if names[0] == "embed":
+      inputs = (0,)
+    else:
+      inputs = tuple(range(len(names) - 1))
+    outputs = tuple(i for i in range(len(names)) if i not in inputs)
+    return optax.contrib.MuonDimensionNumbers(tuple(offset + i for i in inputs),
+                                              tuple(offset + i for i in outputs))
+  return jax.tree.map(dims, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def make_optimizer(cfg: OptimizerConfig, num_steps: int,
+                   model: nn.Module | None = None) -> optax.GradientTransformation:
+  """Global-norm clipping (none where grad_clip is 0) then the config's optimizer over a run of
+  `num_steps`: AdamW, Muon (which reads `model`'s parameter names to pick its matrices) or
+  schedule-free AdamW. Weight decay falls on matrices only."""
   decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
+  lr = learning_rate_schedule(cfg, num_steps)
+  if cfg.name == "muon":
+    if model is None:
+      raise ValueError("Muon picks its matrices by the model's parameter names: pass `model`")
+    scale = cfg.muon_lr_scale
+    update = optax.contrib.muon(
+        (lambda s: scale * lr(s)) if scale != 1.0 else lr, beta=cfg.muon_beta,
+        eps=cfg.adam_eps, weight_decay=cfg.weight_decay, adam_b1=cfg.adam_b1,
+        adam_b2=cfg.adam_b2, adam_learning_rate=lr, consistent_rms=0.2,
+        muon_weight_dimension_numbers=muon_dimensions(build.abstract_params(model)))
+  elif cfg.name == "schedule_free_adamw":
+    # optax's schedule_free_adamw, with the weight decay masked as AdamW's.
+    update = optax.contrib.schedule_free(
+        optax.chain(optax.scale_by_rms(cfg.adam_b2, cfg.adam_eps, eps_in_sqrt=False,
+                                       bias_correction=True),
+                    optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+                    optax.scale_by_learning_rate(lr)),
+        learning_rate=lr, b1=cfg.adam_b1)
+  else:
+    update = optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                         weight_decay=cfg.weight_decay, mask=decay_mask)
   return optax.chain(
-      optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
-      optax.adamw(learning_rate_schedule(cfg, num_steps), b1=cfg.adam_b1, b2=cfg.adam_b2,
-                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mask=decay_mask))
+      optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(), update)
+
+
+def schedule_free_state(opt_state):
+  """The ScheduleFreeState inside an optimizer state, None where it has none."""
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.contrib.ScheduleFreeState))
+      if isinstance(s, optax.contrib.ScheduleFreeState)]
+  return found[0] if found else None
 
 
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation, max_len: int, ema: bool):
@@ -457,7 +519,11 @@ def train_step(state: TrainState, batch: Batch, cfg: StepConfig = StepConfig(),
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = new_state.replace(params=keep(new_state.params, state.params),
                                   opt_state=keep(new_state.opt_state, state.opt_state))
-  if cfg.ema_decay:
+  if (free := schedule_free_state(new_state.opt_state)) is not None:
+    # Schedule-free's evaluation point, kept beside the point its gradients are taken at.
+    evaluated = optax.contrib.schedule_free_eval_params(free, new_state.params)
+    new_state = new_state.replace(ema_params=keep(evaluated, state.ema_params))
+  elif cfg.ema_decay:
     if state.ema_params is None:
       raise ValueError("ema_decay > 0 needs a train state that keeps a moving average "
                        "(create_train_state(..., ema=True))")

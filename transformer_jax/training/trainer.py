@@ -70,8 +70,8 @@ def _train(cfg: config_lib.Config, mesh, run_dir: Workdir,
       cfg.model, data.tokenizers.src.vocab_size, data.tokenizers.tgt.vocab_size,
       max_len=data_cfg.max_len, num_labels=len(data.label_names)))
   state, state_shardings = step_lib.create_train_state(
-      model, step_lib.make_optimizer(cfg.optimizer, run.num_steps), run.seed, mesh,
-      data_cfg.max_len, ema=cfg.step.ema_decay > 0)
+      model, step_lib.make_optimizer(cfg.optimizer, run.num_steps, model), run.seed, mesh,
+      data_cfg.max_len, ema=cfg.eval_params_kept)
   masking = task.masking(data.tokenizers.tgt.vocab_size, cfg.step, data.tokenizers.tgt)
   p_train, p_eval = step_lib.jit_steps(state_shardings, mesh, cfg.step, masking)
   if run.compiled_train_step:  # Compiled ahead of time: checked to be this very program.
