@@ -3,6 +3,7 @@ count it: each answer is the command's flags, or one `error:` line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -36,8 +37,7 @@ def test_help_lists_the_commands_flags_and_exits_0(command):
      "error: --lanes must be 'auto' or a positive count, got '0'"),
     (["export", "--workdir=w", "--to=onnx", "out"],
      "error: flag --to=onnx: value should be one of <ctranslate2|jax|huggingface>"),
-    (["report", "--workdir=w"], "error: w holds no goodput.jsonl and metrics.jsonl of a run: "
-     "train.py writes them from its first step"),
+    (["report", "--workdir=w"], "error: --workdir w does not exist"),
 ])
 def test_a_bad_flag_value_is_one_line(args, message):
   assert _one_error_line(_run("-m", "transformer_jax", *args, timeout=120)) == message
@@ -229,3 +229,53 @@ def test_decoding_commands_keep_freed_memory_for_their_next_allocations():
   assert result.returncode == 0, result.stderr[-2000:]
   one_round = (3 * (16 << 20) + (512 << 20)) // 4096  # Pages of 4 KB.
   assert int(result.stdout) < 1.5 * one_round
+
+
+def _ledger_line(**changes) -> str:
+  line = {"life": 1, "host": "h", "pid": 7, "started": 0.0, "updated": 10.0, "from_step": 0,
+          "step": 5, "recomputed_steps": 0, "seconds": {"step": 9.0, "startup": 1.0}}
+  return json.dumps({**line, **changes})
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"goodput.jsonl": json.dumps({"life": "x", "seconds": 5})},
+     "error: {w}/goodput.jsonl line 1 is not a goodput ledger line (its 'life' is 'x', not int)"),
+    ({"goodput.jsonl": _ledger_line(seconds={"step": "a lot"}), "metrics.jsonl": ""},
+     "error: {w}/goodput.jsonl line 1 is not a goodput ledger line (its seconds are not "
+     "numbers)"),
+    ({"goodput.jsonl": _ledger_line(), "metrics.jsonl": b"\xff\xfe{}"},
+     "error: {w}/metrics.jsonl is not UTF-8 text (byte 0): not a run's metrics"),
+    ({"goodput.jsonl": ""},
+     "error: {w} holds no goodput.jsonl (it is empty) and no metrics.jsonl: train.py writes "
+     "both from its first step"),
+    ({"goodput.jsonl": _ledger_line()},
+     "error: {w} holds no metrics.jsonl (only goodput.jsonl): train.py writes both from its "
+     "first step"),
+    ({"metrics.jsonl": '{"step": 1}'},
+     "error: {w} holds no goodput.jsonl (only metrics.jsonl): train.py writes both from its "
+     "first step"),
+    (None, "error: --workdir {w} is a file, not a training workdir"),
+])
+def test_report_names_what_a_workdir_holds_and_lacks(tmp_path, files, message):
+  workdir = tmp_path / "w"
+  if files is None:
+    workdir.write_text("a file")
+  else:
+    workdir.mkdir()
+    for name, content in files.items():
+      (workdir / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+  result = _run("-m", "transformer_jax", "report", "--workdir", str(workdir), timeout=120)
+  assert _one_error_line(result) == message.format(w=workdir)
+  assert not (tmp_path / "w" / "report.png").exists() if files is not None else True
+
+
+def test_report_draws_a_ledger_and_metrics_it_can_read(tmp_path):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / "goodput.jsonl").write_text(_ledger_line() + "\n" + '{"torn": ')
+  (workdir / "metrics.jsonl").write_text('{"step": 5, "train/loss": 2.5}\n[1, 2]\n'
+                                         '{"step": 6, "train/loss": "n/a"}\n')
+  result = _run("-m", "transformer_jax", "report", "--workdir", str(workdir), timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "1 life, 10.0 s of wall time, step 5 reached; goodput 90.0%" in result.stdout
+  assert (workdir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -379,6 +379,9 @@ def test_a_moved_run_generates_from_another_directory(lm_run, tmp_path):
     (["ROMEO.", "--top_p", "1.5"], r"--top_p must be in \(0, 1\], got 1.5"),
     (["ROMEO.", "--top_k", "100000"],
      r"--top_k 100000 is over the run's vocabulary of \d+ tokens \(data.vocab_size\)"),
+    (["ROMEO.", "--temperature", "0.9", "--seed", str(2 ** 63)],
+     r"--seed must be an integer from 0 to 2\*\*32 - 1, got 9223372036854775808$"),
+    (["ROMEO.", "--seed", "-1"], r"--seed must be an integer from 0 to 2\*\*32 - 1, got -1$"),
 ])
 def test_bad_generate_input_is_one_line_and_writes_nothing(lm_run, tmp_path, args, message):
   out = tmp_path / "out.jsonl"
@@ -570,3 +573,13 @@ def test_the_decoding_race_with_transformers_runs_both_sides_to_equal_tokens(lm_
       ("first_token", 4, 1), ("first_token", 9, 1), ("throughput", 8, 1), ("throughput", 8, 3)]
   assert all(r["tokens_equal"] and r["ours_ms"] > 0 and r["transformers_ms"] > 0 for r in rows)
   assert rows[-1]["new_tokens"] >= 3  # Each row makes at least one token.
+
+
+def test_more_new_tokens_than_the_model_can_write_allocate_nothing_more(lm_run):
+  """--max_new_tokens past max_len once sized arrays of that many columns (1.5 GB at 10^8,
+  an OverflowError past 2^31): the continuation is what the model's positions allow."""
+  from transformer_jax.decoding.completer import Completer
+  completer = Completer(lm_run)
+  room = completer.max_len  # More than any prompt leaves.
+  wanted = completer.complete(["ROMEO.", "To be"], room)
+  assert completer.complete(["ROMEO.", "To be"], 10 ** 12) == wanted

@@ -70,6 +70,8 @@ def main(argv):
       raise InferenceError("give either prompts as arguments or --input FILE")
     if FLAGS.max_new_tokens < 1:
       raise InferenceError(f"--max_new_tokens must be at least 1, got {FLAGS.max_new_tokens}")
+    if not 0 <= FLAGS.seed < 2 ** 32:  # The completions server's range: the same draws.
+      raise InferenceError(f"--seed must be an integer from 0 to 2**32 - 1, got {FLAGS.seed}")
     sampler = sampler_of(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     if FLAGS.input:
       prompts = [p.replace("\\n", "\n") for p in read_lines(FLAGS.input)]

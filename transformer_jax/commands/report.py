@@ -58,7 +58,8 @@ def _curves(records: list[dict], png: Path) -> None:
             ("train/tokens_per_sec", "tokens/s"), ("train/goodput", "goodput (share of wall time)"))
   figure, axes = plt.subplots(2, 2, figsize=(10, 7))
   for ax, (key, title) in zip(axes.flat, panels):
-    points = [(r["step"], r[key]) for r in records if key in r]
+    points = [(r["step"], r[key]) for r in records
+              if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
     if points:
       ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
     ax.set_title(title)
@@ -80,17 +81,34 @@ def main(argv):
       raise ReportError("usage: report --workdir DIR [--png FILE]")
     workdir = Path(F.workdir)
     from transformer_jax.training import goodput
+    if not workdir.exists():
+      raise ReportError(f"--workdir {workdir} does not exist")
+    if not workdir.is_dir():
+      raise ReportError(f"--workdir {workdir} is a file, not a training workdir")
     lines = goodput.read(workdir / goodput.FILE)
     metrics = workdir / "metrics.jsonl"
-    if not lines or not metrics.is_file():
-      raise ReportError(f"{workdir} holds no {goodput.FILE} and metrics.jsonl of a run: "
-                        "train.py writes them from its first step")
+    missing = [f"{goodput.FILE}" + (" (it is empty)" if (workdir / goodput.FILE).is_file()
+                                     else "")] if not lines else []
+    missing += [] if metrics.is_file() else ["metrics.jsonl"]
+    if missing:
+      there = [n for n in (goodput.FILE, "metrics.jsonl") if (workdir / n).is_file()
+               and not any(m.startswith(n) for m in missing)]
+      raise ReportError(f"{workdir} holds no {' and no '.join(missing)}"
+                        + (f" (only {' and '.join(there)})" if there else "")
+                        + ": train.py writes both from its first step")
+    try:
+      text = metrics.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ReportError(f"{metrics} is not UTF-8 text (byte {e.start}): not a run's "
+                        "metrics") from None
     records = []
-    for raw in metrics.read_text(encoding="utf-8").splitlines():
+    for raw in text.splitlines():
       try:
-        records.append(json.loads(raw))
+        record = json.loads(raw)
       except ValueError:
-        pass  # A torn last line of a killed run.
+        continue  # A torn last line of a killed run.
+      if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+        records.append(record)
     png = Path(F.png) if F.png else workdir / "report.png"
     fs.check_output_file(png, "--png")
     check_file_outside_runs(png, "--png", may_add="png")  # Beside the run's files, not over one.

@@ -58,6 +58,9 @@ class Completer:
     width = -(-max(map(len, rows)) // 8) * 8  # Few distinct shapes, few compilations.
     prompts_ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
     lengths = np.array([len(r) for r in rows], np.int32)
+    # No row can take more than the model's positions past its prompt (the loop's own limit):
+    # asking for more allocates nothing more.
+    max_new_tokens = min(max_new_tokens, self.max_len - int(lengths.min()) + 1)
     tokens = np.asarray(self._continue(self.params, jnp.asarray(prompts_ids),
                                        jnp.asarray(lengths), max_new_tokens, sampler,
                                        jax.random.PRNGKey(seed)))

@@ -33,6 +33,8 @@ from pathlib import Path
 import jax
 import psutil
 
+from transformer_jax.errors import UserError
+
 BUCKETS = ("step", "recomputed", "compile", "input", "eval", "save", "restore", "startup",
            "other")
 FILE = "goodput.jsonl"
@@ -167,7 +169,7 @@ def _metrics_reach(path: Path) -> int:
   """The last step metrics.jsonl logged (0 without it)."""
   reach = 0
   if path.is_file():
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
       try:
         reach = max(reach, int(json.loads(line)["step"]))
       except (ValueError, KeyError, TypeError):
@@ -175,16 +177,40 @@ def _metrics_reach(path: Path) -> int:
   return reach
 
 
+class LedgerError(UserError, ValueError):
+  """A ledger line that parses but is not one this module writes (edited by hand, say)."""
+
+
+# A line's fields and their kinds, as _record writes them.
+_FIELDS = {"life": int, "host": str, "pid": int, "started": float, "updated": float,
+           "from_step": int, "step": int, "recomputed_steps": int, "seconds": dict}
+
+
+def _kind_ok(value, kind) -> bool:
+  if kind in (int, float) and isinstance(value, bool):
+    return False
+  return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
 def read(path: Path) -> list[dict]:
-  """The ledger's lines, one a life, in order (none without the file)."""
+  """The ledger's lines, one a life, in order (none without the file). A torn line is
+  skipped; a line of other fields is a LedgerError naming it."""
   if not Path(path).is_file():
     return []
   lines = []
-  for raw in Path(path).read_bytes().splitlines():
+  for number, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
     try:
-      lines.append(json.loads(raw))
+      line = json.loads(raw)
     except ValueError:
-      pass  # Torn by a crash of the machine (a process's kill never tears one).
+      continue  # Torn by a crash of the machine (a process's kill never tears one).
+    bad = ("it is not an object" if not isinstance(line, dict) else next(
+        (f"its {k!r} is {line.get(k)!r}, not {kind.__name__ if kind is not dict else 'buckets'}"
+         for k, kind in _FIELDS.items() if not _kind_ok(line.get(k), kind)), None))
+    if bad is None and not all(_kind_ok(v, float) for v in line["seconds"].values()):
+      bad = "its seconds are not numbers"
+    if bad:
+      raise LedgerError(f"{path} line {number} is not a goodput ledger line ({bad})")
+    lines.append(line)
   return lines
 
 
