@@ -210,6 +210,8 @@ def test_a_seed_gives_the_same_text_under_concurrent_load(client):
      "logprobs must be an integer from 0 to 5, got 6"),
     ({"model": "lm_run", "prompt": "ROMEO.", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
      "stop must be a string or a list of at most 4 non-empty strings"),
+    ({"model": "lm_run", "prompt": "ROMEO.", "stop": ["ab", "x" * 401]}, 400, "stop",
+     "a stop string has 401 characters; the limit is 400"),
     ({"model": "lm_run", "prompt": 7}, 400, "prompt", "prompt must be a string or a non-empty"),
     ({"model": "gpt-4", "prompt": "ROMEO."}, 404, "model", "the model 'gpt-4' is not served"),
 ])

@@ -424,3 +424,21 @@ def test_a_port_in_use_is_a_one_line_error(trained):
                             capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_host_names_are_case_insensitive_and_http_1_0_needs_no_host(server):
+  """`Host: LOCALHOST` is localhost (421 once); an HTTP/1.0 request has no Host header to
+  send (421 once, for a client that cannot name one)."""
+  import socket
+  connection = _connection(server)
+  connection.request("GET", "/health", headers={"Host": f"LOCALHOST:{server}"})
+  response = connection.getresponse()
+  response.read()
+  connection.close()
+  assert response.status == 200
+  with socket.create_connection(("127.0.0.1", server), timeout=60) as raw:
+    raw.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+    answer = b""
+    while chunk := raw.recv(65536):
+      answer += chunk
+  assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"200", answer[:300]

@@ -105,3 +105,16 @@ def test_a_compile_that_fails_leaves_the_server_unready_with_the_reason():
   with pytest.raises(NotReady, match="the decoder stopped"):
     batcher.submit([_piece(4)])
   batcher.stop()
+
+
+def test_the_held_back_stop_prefix_is_the_longest_end_that_begins_a_stop_string():
+  """Against the definition itself, on texts and stop strings of a small alphabet (where
+  ends and beginnings overlap most)."""
+  import random
+  from transformer_jax.serving.openai_requests import _stop_prefix
+  rng = random.Random(0)
+  word = lambda n: "".join(rng.choice("ab\u00e9") for _ in range(n))
+  for _ in range(3000):
+    text, stops = word(rng.randint(0, 12)), [word(rng.randint(1, 6)) for _ in range(rng.randint(1, 4))]
+    naive = max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])] or [0])
+    assert _stop_prefix(text, stops) == naive, (text, stops)

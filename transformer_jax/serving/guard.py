@@ -64,8 +64,11 @@ class Guard:
 
   def _problem(self, scope) -> tuple[int, str, str] | None:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-    if self.hosts is not None:
-      host = _host_name(headers.get("host", ""))
+    # Host names are case-insensitive; HTTP/1.0 has no Host header (a browser, whose
+    # requests a rebinding forges, always sends one).
+    if self.hosts is not None and not (scope.get("http_version") == "1.0"
+                                       and "host" not in headers):
+      host = _host_name(headers.get("host", "")).lower()
       if host not in self.hosts:
         return (421, f"this server answers requests to {', '.join(self.hosts)} only, not to "
                 f"{host or 'no Host'} (--host 0.0.0.0 listens on every interface)",

@@ -23,6 +23,9 @@ FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",
 NEUTRAL = {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0, "suffix": None,
            "logit_bias": None}
 MAX_STOPS = 4
+# A stop string's characters at most: every streamed event looks for the start of each one at
+# the end of every choice's text (OpenAI sets no bound; 16,000 once held the server 20 s).
+MAX_STOP_CHARS = 400
 MAX_TEMPERATURE = 2.0
 
 
@@ -146,6 +149,9 @@ class Service:
         or not all(isinstance(s, str) and s for s in stop)):
       raise Refused(f"stop must be a string or a list of at most {MAX_STOPS} non-empty "
                      "strings", "stop")
+    if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
+      raise Refused(f"a stop string has {longest} characters; the limit is {MAX_STOP_CHARS}",
+                    "stop")
     logprobs = request.get("logprobs")
     if logprobs is not None:
       logprobs = _number(request, "logprobs", 0, int, 0, TOP)
@@ -280,5 +286,16 @@ def _first_stop(text: str, stops) -> int | None:
 
 
 def _stop_prefix(text: str, stops) -> int:
-  """The length of the longest end of `text` that begins a stop string."""
-  return max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])] or [0])
+  """The length of the longest end of `text` that begins a stop string: the first place in
+  text's last len(s) - 1 characters holding s's first character from which the rest of the
+  text begins s (each test in C, one pass over that tail in the common case)."""
+  longest = 0
+  for s in stops:
+    tail_start = max(len(text) - len(s) + 1, 0)
+    i = text.find(s[0], tail_start)
+    while i >= 0 and len(text) - i > longest:
+      if s.startswith(text[i:]):
+        longest = len(text) - i
+        break
+      i = text.find(s[0], i + 1)
+  return longest
