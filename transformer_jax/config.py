@@ -377,6 +377,9 @@ class RunConfig(_Section):
           f"run.nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
     check(len(self.mesh_shape) == 3,
           f"run.mesh_shape={self.mesh_shape} must have 3 entries (data, fsdp, tensor)")
+    check(all(s > 0 or s == -1 for s in self.mesh_shape),
+          f"run.mesh_shape={self.mesh_shape}: each entry must be a device count of at least 1, "
+          "or -1 (the devices left)")
     check(self.peak_flops >= 0, f"run.peak_flops={self.peak_flops} must be >= 0 (0: known "
           "devices' own)")
     # The data order's generator (NumPy's) takes a non-negative seed, jax's keys 64 bits.

@@ -127,6 +127,7 @@ class ProgramStore:
     self._taken_lock = threading.Lock()
     self._used: dict[str, None] = {}  # The files of the programs called, first called first.
     self.preloaded = 0  # Programs preload's thread loaded (what a call then found ready).
+    self.loaded = 0  # Programs loaded from the directory, by that thread or by a call.
     # Programs compiled here (none was kept, the kept one did not load, or no directory).
     self.compiled = 0
 
@@ -292,6 +293,8 @@ class ProgramStore:
     """The program kept in `path`, marked used (raises where it does not load)."""
     program = _load(path)
     self._mark_used(path)
+    with self._taken_lock:
+      self.loaded += 1
     return program
 
   def _mark_used(self, path: Path) -> None:

@@ -38,6 +38,8 @@ def test_help_lists_the_commands_flags_and_exits_0(command):
     (["export", "--workdir=w", "--to=onnx", "out"],
      "error: flag --to=onnx: value should be one of <ctranslate2|jax|huggingface>"),
     (["report", "--workdir=w"], "error: --workdir w does not exist"),
+    (["serve", "--workdir=w", "--api_key="],  # Before the workdir is read.
+     "error: --api_key (or TRANSFORMER_JAX_API_KEY) is empty: give a key, or unset it"),
 ])
 def test_a_bad_flag_value_is_one_line(args, message):
   assert _one_error_line(_run("-m", "transformer_jax", *args, timeout=120)) == message

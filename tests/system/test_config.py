@@ -59,6 +59,8 @@ def test_d2l_tiny_has_the_chapters_settings():
     ("optimizer.decay_fraction", 0.0, "optimizer.decay_fraction=0.0 must be in (0, 1]"),
     ("model.layer_norm_eps", 0.0, "model.layer_norm_eps=0.0 must be in (0, 1)"),
     ("run.mesh_shape", (1, 1), "run.mesh_shape=(1, 1) must have 3 entries"),
+    ("run.mesh_shape", (0, 1, 1), "run.mesh_shape=(0, 1, 1): each entry must be a device count "
+     "of at least 1, or -1 (the devices left)"),
     ("step.grad_accum_steps", 5, "step.grad_accum_steps=5 must divide data.batch_size=36"),
     ("model.attention_mask", "lengths", "model.attention_mask='lengths' takes one sequence a "
      "row: set data.packing=False"),

@@ -143,7 +143,8 @@ def test_every_error_a_user_can_fix_derives_from_one_base():
            "transformer_jax.data.documents": "NoDocumentsError",
            "transformer_jax.data.pipeline": "LabelsError",
            "transformer_jax.data.builders": "DatasetError",
-           "transformer_jax.data.download": "DownloadError"}
+           "transformer_jax.data.download": "DownloadError",
+           "transformer_jax.training.goodput": "LedgerError"}
   for module, name in names.items():
     assert issubclass(getattr(importlib.import_module(module), name), UserError), name
   declared = set()  # Every exception class the package declares is one of them.

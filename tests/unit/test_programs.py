@@ -206,6 +206,7 @@ def test_preloading_skips_what_a_call_took_first_and_a_damaged_program(tmp_path,
   assert float(add({"sum": jnp.zeros(())}, jnp.ones(3))["sum"]) == 3.0  # Before the thread.
   store.preload("greedy").join()
   assert store.preloaded == 0  # add was loaded by its call, double did not load.
+  assert store.loaded == 1  # What /metrics' programs_loaded_total reads: add's.
   np.testing.assert_array_equal(double(jnp.arange(4.0)), [0.0, 2.0, 4.0, 6.0])
   assert traces == [] and "compiling double again" in caplog.text
 

@@ -141,6 +141,7 @@ def main(argv):
       raise ServeError(f"--beam_sizes must be integers, got {FLAGS.beam_sizes}") from None
     if any(b < 1 for b in beam_sizes):
       raise ServeError(f"--beam_sizes must be at least 1, got {FLAGS.beam_sizes}")
+    _api_key(FLAGS)  # Before the checkpoint is read.
     try:  # The server's libraries: imported once the flags are known good.
       import uvicorn
       import starlette  # noqa: F401
@@ -211,6 +212,14 @@ def _server(give_up, timeout: float, config):
   return Server(config)
 
 
+def _api_key(FLAGS) -> str | None:
+  """The key requests must send (None: none), refused where it is empty."""
+  key = FLAGS.api_key if FLAGS.api_key is not None else os.environ.get("TRANSFORMER_JAX_API_KEY")
+  if key is not None and not key.strip():
+    raise ServeError("--api_key (or TRANSFORMER_JAX_API_KEY) is empty: give a key, or unset it")
+  return key
+
+
 def _guarded(app_, FLAGS, language: bool):
   """The app behind serving/guard.py's checks: the API key, the Host names, JSON bodies."""
   from transformer_jax.serving import guard
@@ -218,9 +227,7 @@ def _guarded(app_, FLAGS, language: bool):
     from transformer_jax.serving.openai_requests import refusal
   else:
     from transformer_jax.serving.server import refusal
-  key = FLAGS.api_key if FLAGS.api_key is not None else os.environ.get("TRANSFORMER_JAX_API_KEY")
-  if key is not None and not key.strip():
-    raise ServeError("--api_key (or TRANSFORMER_JAX_API_KEY) is empty: give a key, or unset it")
+  key = _api_key(FLAGS)
   hosts = guard.loopback_hosts(FLAGS.host)
   if FLAGS.allowed_hosts:
     hosts = (*(hosts or ()), *FLAGS.allowed_hosts)

@@ -63,7 +63,7 @@ class Metrics:
           "programs_compiled": Figure("counter", "Programs compiled by this process",
                                       programs.compiled),
           "programs_loaded": Figure("counter", "Programs loaded from the compilation cache "
-                                    "instead", programs.preloaded)}
+                                    "instead", programs.loaded)}
       return {**read(), **extra}
 
     self.registry.register(_Figures(figures))
