@@ -87,14 +87,13 @@ def main(argv):
       raise ReportError(f"--workdir {workdir} is a file, not a training workdir")
     lines = goodput.read(workdir / goodput.FILE)
     metrics = workdir / "metrics.jsonl"
-    missing = [f"{goodput.FILE}" + (" (it is empty)" if (workdir / goodput.FILE).is_file()
-                                     else "")] if not lines else []
-    missing += [] if metrics.is_file() else ["metrics.jsonl"]
-    if missing:
-      there = [n for n in (goodput.FILE, "metrics.jsonl") if (workdir / n).is_file()
-               and not any(m.startswith(n) for m in missing)]
+    if not lines or not metrics.is_file():  # Say what is there and what is not.
+      empty = " (it is empty)" if (workdir / goodput.FILE).is_file() else ""
+      missing = ([goodput.FILE + empty] if not lines else []) + (
+          [] if metrics.is_file() else ["metrics.jsonl"])
+      only = goodput.FILE if lines else ("metrics.jsonl" if metrics.is_file() else "")
       raise ReportError(f"{workdir} holds no {' and no '.join(missing)}"
-                        + (f" (only {' and '.join(there)})" if there else "")
+                        + (f" (only {only})" if only else "")
                         + ": train.py writes both from its first step")
     try:
       text = metrics.read_bytes().decode("utf-8")
