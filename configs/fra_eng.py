@@ -10,7 +10,9 @@ held-out sentences are longer than most of fra.txt's), packs rows of 64 tokens (
 the same tokens a step) and trains without dropout (2,000 steps are about 2.5 passes over the
 training pairs: dropout only slowed learning, and a step is cheaper without its random masks).
 A moving average of the parameters and checkpoint averaging were measured and not taken (both
-scored lower on validation with this schedule).
+scored lower on validation with this schedule). The optimizer is Muon at a peak of 2e-3 (the
+block matrices orthogonalized, the embedding, norms and biases through Adam): trained in turn for
+600 steps, 33.2 validation BLEU against 24.5 for AdamW at 1e-3, the recipe before it.
 `configs/fra_eng.py:smoke` runs a few steps of a tiny model in seconds.
 """
 
@@ -25,12 +27,13 @@ def get_config(arg=None):
                 concat_prob=0.3, concat_max=3)
   c.model.update(d_model=256, num_heads=4, ffn_dim=1024, num_encoder_layers=3,
                  num_decoder_layers=3, dropout_rate=0.0)  # 0.1: 2.5 BLEU less on validation.
-  c.optimizer.update(schedule="cosine", learning_rate=1e-3, warmup_steps=300)
+  c.optimizer.update(name="muon", schedule="cosine", learning_rate=2e-3, warmup_steps=300)
   c.step.ema_decay = 0.0  # 0.998 gave 0.23 less validation BLEU than the parameters themselves.
   c.run.update(num_steps=2000, checkpoint_every=250)
   c.eval.every = 250
   c.decode.alpha = 1.0  # Chosen on the validation split (beam 4).
   if "smoke" in arg:
     c.model.dropout_rate = 0.1  # Kept in smoke runs: the resume tests then cover dropout masks.
+    c.optimizer.name = "adamw"  # Smoke runs compile in seconds; Muon's tests name it.
     return smoke(c)
   return c
