@@ -1,7 +1,7 @@
 """Recipes of the main job trained in turn on one machine, scored on the validation split.
 
   python benchmarks/recipe_sweep.py --out sweeps/fra_eng --data_dir data/fra-eng \
-      --steps 600 --recipes shipped,muon,schedule_free [--png docs/recipe_sweep.png]
+      --steps 600 --recipes shipped,adamw,schedule_free [--png docs/recipe_sweep.png]
 
 Each recipe is `configs/fra_eng.py` (or --config) with its overrides (RECIPES, or NAME=FIELD=VALUE,... on the
 command line), trained by train.py in a process of its own for the same number of steps (a
@@ -32,9 +32,10 @@ from benchmarks.machine import cpu_model  # noqa: E402
 
 # Each lever alone against the recipe as it ships.
 RECIPES = {
-    "shipped": [],  # configs/fra_eng.py as it stands.
-    "muon": ["optimizer.name=muon"],
-    "muon_lr2e-3": ["optimizer.name=muon", "optimizer.learning_rate=0.002"],
+    "shipped": [],  # configs/fra_eng.py as it stands: Muon at a peak of 2e-3.
+    "adamw": ["optimizer.name=adamw", "optimizer.learning_rate=0.001"],  # The recipe before.
+    "muon": ["optimizer.name=muon"],  # For a config on another optimizer (a smoke run's AdamW).
+    "muon_lr1e-3": ["optimizer.name=muon", "optimizer.learning_rate=0.001"],
     "schedule_free": ["optimizer.name=schedule_free_adamw", "optimizer.schedule=constant",
                       "optimizer.learning_rate=0.002"],
     "wsd": ["optimizer.schedule=wsd"],
@@ -141,7 +142,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", required=True, help="Folder of the runs and sweep.json.")
   parser.add_argument("--data_dir", required=True, help="fra-eng's folder (download's).")
-  parser.add_argument("--recipes", default="shipped,muon,schedule_free")
+  parser.add_argument("--recipes", default="shipped,adamw,schedule_free")
   parser.add_argument("--config", default=str(ROOT / "configs/fra_eng.py"),
                       help="The recipes' base config (a path, :ARG allowed).")
   parser.add_argument("--common", default="", help="FIELD=VALUE;... for every recipe (before "

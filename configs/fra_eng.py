@@ -10,9 +10,13 @@ held-out sentences are longer than most of fra.txt's), packs rows of 64 tokens (
 the same tokens a step) and trains without dropout (2,000 steps are about 2.5 passes over the
 training pairs: dropout only slowed learning, and a step is cheaper without its random masks).
 A moving average of the parameters and checkpoint averaging were measured and not taken (both
-scored lower on validation with this schedule). The optimizer is Muon at a peak of 2e-3 (the
-block matrices orthogonalized, the embedding, norms and biases through Adam): trained in turn for
-600 steps, 33.2 validation BLEU against 24.5 for AdamW at 1e-3, the recipe before it.
+scored lower on validation with AdamW; with Muon the mean of the last 3 checkpoints scored 44.13
+against 43.92 on the validation split, within the spread). The optimizer is Muon at a peak of 2e-3 (the
+block matrices orthogonalized, the embedding, norms and biases through Adam): trained in turn,
+33.2 validation BLEU against 24.5 for AdamW at 1e-3 (the recipe before it) at 600 steps, and
+44.0 against 38.2 at 2,000. Expected from the README's command on 2 Xeon cores with AVX-512:
+44.0 validation BLEU (256 sentences) at step 2,000, 29.35 BLEU on the Tatoeba test set, 40 min
+22 s for the whole command (AdamW's: 30 min 54 s; a Muon step costs about 1.3 of AdamW's).
 `configs/fra_eng.py:smoke` runs a few steps of a tiny model in seconds.
 """
 
