@@ -7,7 +7,7 @@ resumes from the latest checkpoint. The loop is transformer_jax/training/trainer
 from transformer_jax import errors
 
 if __name__ == "__main__":
-  errors.note_interrupts()  # Ctrl-C from here on: exit 130 in one line (errors.run_command).
+  errors.note_interrupts(starting=True)  # Ctrl-C from here on: exit 130, one line.
 
   def run():
     from transformer_jax.commands import train

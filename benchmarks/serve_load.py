@@ -54,12 +54,13 @@ def post(connection: http.client.HTTPConnection, body: dict | bytes,
   return response.status, json.loads(response.read() or b"{}"), dict(response.getheaders())
 
 
-def metrics(port: int) -> dict[tuple[str, tuple], float]:
+def metrics(port: int, api_key: str | None = None) -> dict[tuple[str, tuple], float]:
   """GET /metrics, read by Prometheus' own parser: {(sample name, sorted labels): value}."""
   from prometheus_client.parser import text_string_to_metric_families
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
   try:
-    connection.request("GET", "/metrics")
+    connection.request("GET", "/metrics",
+                       headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     response = connection.getresponse()
     text = response.read().decode()
   finally:

@@ -33,7 +33,7 @@ END_AT_ONCE = ("translate",)
 
 
 def main() -> None:
-  errors.note_interrupts()  # Ctrl-C from here on: exit 130 in one line (errors.run_command).
+  errors.note_interrupts(starting=True)  # Ctrl-C from here on: exit 130, one line.
   if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
     print(__doc__.strip())
     sys.exit(0 if len(sys.argv) >= 2 else 2)

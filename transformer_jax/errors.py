@@ -16,8 +16,6 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from absl import logging
-
 
 class UserError(Exception):
   """A problem with what the user gave (flags, config, files), told in one line."""
@@ -43,7 +41,9 @@ def _flush() -> None:
   # Reads of damaged checkpoints that failed (and were reported) leave futures whose errors
   # asyncio would print again at exit, after the error line.
   std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
-  logging.flush()
+  absl_logging = sys.modules.get("absl.logging")  # Not imported here: this module loads first,
+  if absl_logging is not None:  # before Ctrl-C is handled, so it loads nothing slow.
+    absl_logging.flush()
 
 
 @contextlib.contextmanager
@@ -51,6 +51,7 @@ def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[
   """Runs a command's body: a UserError or an OSError (a disk that fills, a directory that
   goes away) exits 1 with one line; Ctrl-C exits 130 with `interrupted`, also one that came
   while the command started and that a library swallowed (note_interrupts)."""
+  _starting.clear()  # The body may write: from here on Ctrl-C raises, for it to clean up.
   try:
     raise_if_interrupted()
     yield
@@ -69,22 +70,27 @@ def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[
 
 
 def exit_interrupted(message: str) -> None:
-  """`error: MESSAGE` and exit status 130, at once. Not through the interpreter's teardown:
-  with a library's threads still in their native work (tfds preparing a dataset, orbax reading
-  a checkpoint, XLA compiling) it crashed after the line (a segfault, exit 139), or waited for
-  them."""
+  """`error: MESSAGE` and exit status 130, at once (exit_at_once)."""
+  exit_at_once(message, 130)
+
+
+def exit_at_once(message: str, status: int) -> None:
+  """`error: MESSAGE` and exit `status`, at once. Not through the interpreter's teardown: with
+  a library's threads still in their native work (tfds preparing a dataset, orbax reading a
+  checkpoint, XLA compiling) it crashed after the line (a segfault, exit 139), or waited for
+  them (jax's shutdown barrier, for a process that is gone)."""
   _flush()
   print(f"error: {message}", file=sys.stderr)
   sys.stderr.flush()
   sys.stdout.flush()
-  os._exit(130)
+  os._exit(status)
 
 
 def run_command(run) -> None:
   """Runs a command (`run()`: its flags parsed, its body inside `reported`) with the interrupt
   handler installed first, so that Ctrl-C at any moment exits 130 in one line: while the
   libraries load and the flags parse too."""
-  note_interrupts()
+  note_interrupts(starting=True)
   try:
     run()
   except KeyboardInterrupt:  # Before the command's body began.
@@ -98,18 +104,27 @@ def run_command(run) -> None:
 
 
 _interrupted: list[int] = []
+_starting: list[bool] = []  # Set while a command starts (its flags parse): nothing written yet.
 
 
-def note_interrupts() -> None:
+def note_interrupts(starting: bool = False) -> None:
   """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual and is also remembered, so that
   `raise_if_interrupted` catches one that library code swallowed (a conversion or a compile
-  that catches every exception; at start-up, one during the flags' parsing, which loads the
-  config and jax) before a command goes on or commits its output."""
+  that catches every exception) before a command goes on or commits its output.
+
+  `starting`: until a command's body begins (`reported`), Ctrl-C exits 130 in one line at
+  once instead. The libraries load then, and a KeyboardInterrupt raised inside a module's
+  import was printed as a traceback before the line, or aborted the interpreter (an enum made
+  during a C extension's initialization: exit -6)."""
   if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     return  # Started with Ctrl-C ignored (nohup, a background job): left so.
+  if starting:
+    _starting[:] = [True]
 
   def handler(signum, frame):
     _interrupted.append(signum)
+    if _starting:
+      exit_interrupted("interrupted; nothing was written")
     raise KeyboardInterrupt
 
   def unraisable(report):  # Raised where Python can only print it (jax's gc callback, a

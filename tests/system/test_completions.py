@@ -75,6 +75,23 @@ def test_greedy_and_seeded_completions_are_what_generate_writes(lm_run, client, 
       "--top_k=50", "--seed=3")
 
 
+def test_generate_and_the_server_end_where_the_model_does(lm_run, client, tmp_path):
+  """One rule in both: a row holds max_len tokens, <bos> and the prompt included. `generate`
+  asked for more writes what the server gives at the most max_tokens it allows; one more is
+  refused."""
+  from transformer_jax.decoding.completer import Completer
+  completer = Completer(lm_run)
+  ends = _generate(lm_run, tmp_path, f"--max_new_tokens={completer.max_len}")
+  for prompt, ids, end in zip(PROMPTS, completer.tokenizer.encode(PROMPTS), ends):
+    room = completer.max_len - 1 - len(ids)
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=room,
+                                       temperature=0)
+    assert answer.choices[0].text == end, prompt
+    with pytest.raises(openai.BadRequestError) as e:
+      client.completions.create(model=MODEL, prompt=prompt, max_tokens=room + 1, temperature=0)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
 def test_a_top_p_below_float32s_normal_range_is_the_greedy_text(client):
   args = dict(model=MODEL, prompt=PROMPTS, max_tokens=10)
   greedy = client.completions.create(**args, temperature=0)
@@ -318,6 +335,14 @@ def test_an_api_key_is_checked_as_openais_clients_send_it(lm_run, tmp_path):
                          max_retries=0)
     assert good.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=2).choices
     assert get(port, "/stats")[0] == 401
+    with pytest.raises(RuntimeError, match="answered 401"):
+      metrics(port)
+    # The guard's refusals are counted where the answers are.
+    counted = metrics(port, api_key="s3cret")
+    status = lambda endpoint, code: counted.get(  # noqa: E731
+        ("transformer_jax_requests_total", (("endpoint", endpoint), ("status", code))))
+    assert (status("/v1/completions", "401"), status("/v1/completions", "200"),
+            status("/stats", "401"), status("/metrics", "401")) == (2, 1, 1, 1)
   finally:
     assert stop_server(process) == 0, log.read_text()[-3000:]
 

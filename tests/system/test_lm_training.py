@@ -520,8 +520,8 @@ def test_a_language_model_exports_to_gpt2_with_the_same_ids_logits_and_greedy_to
   model = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
   cut = lambda ids: ids[:ids.index(EOS) + 1] if EOS in ids else ids
   for row, ours_new in zip(encoded, tokens.tolist()):
-    # Both read at most max_len positions: the last token made reads position max_len - 1.
-    room = min(new, completer.max_len + 1 - len(row))
+    # A row holds max_len tokens at most, <bos> and its prompt included (as the server's).
+    room = min(new, completer.max_len - len(row))
     generated = model.generate(torch.tensor([row]), attention_mask=torch.ones(1, len(row),
                                                                                dtype=torch.long),
                                max_new_tokens=room, do_sample=False)[0, len(row):].tolist()

@@ -130,3 +130,57 @@ def test_slurm_environment_two_processes_stop_together_on_sigterm(tmp_path, tfds
   step = int(stops[0][0])
   assert step >= 5
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [str(step)]
+
+
+def test_a_process_that_dies_ends_the_other_in_one_line_and_the_run_resumes(
+    tmp_path, tfds_dir, cache_dir, fra_eng_builder):
+  """Process 1 of 2 SIGKILLed mid-run: process 0 ends with one line naming process 1 and the
+  step the same command resumes from (not a collective's traceback, then jax's shutdown
+  barrier waiting for the dead process and an abort); run again, both resume from it."""
+  workdir = tmp_path / "w"
+  port = portpicker.pick_unused_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1"))
+  cmd = [sys.executable, "train.py", "--config", "configs/fra_eng.py:smoke",
+         "--workdir", str(workdir), f"--config.data.data_dir={DATA / 'fra-eng'}",
+         f"--config.data.tfds_dir={tfds_dir}", "--config.run.num_steps=100000",
+         "--config.run.mesh_shape=(2,1,1)", "--config.eval.bleu_sentences=0",
+         "--config.run.log_every=1", "--config.data.num_workers=0", "--config.eval.every=100000",
+         "--config.run.checkpoint_every=4", f"--config.run.compilation_cache_dir={cache_dir}",
+         "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
+         "--heartbeat_timeout", "10"]
+  log0 = open(tmp_path / "process0.log", "w")
+  first = subprocess.Popen(cmd + ["--process_id", "0"], cwd=ROOT, env=env, stdout=log0,
+                           stderr=subprocess.STDOUT, text=True)
+  second = subprocess.Popen(cmd + ["--process_id", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  for line in second.stdout:  # Past the checkpoint of step 4.
+    lines.append(line)
+    if "] [6] steps_per_sec" in line:
+      break
+  else:
+    first.kill()
+    raise AssertionError("".join(lines[-40:]))
+  second.kill()
+  second.communicate()
+  first.wait(timeout=120)
+  out = (tmp_path / "process0.log").read_text()
+  assert first.returncode == 1, out[-3000:]
+  assert "Traceback" not in out and "Fatal Python error" not in out, out[-3000:]
+  last = out.strip().splitlines()[-1]
+  said = re.fullmatch(r"error: process 1 of 2 stopped \(.+\); run the same command on every host "
+                      r"to resume from the checkpoint of step (\d+)", last)
+  assert said, last
+  step = int(said[1])
+  assert step >= 4 and str(step) in {p.name for p in (workdir / "checkpoints").iterdir()}
+  # The same command again, with a step budget, goes on from that checkpoint.
+  cmd = [a for a in cmd if a != "--config.run.num_steps=100000"] + [
+      f"--config.run.num_steps={step + 2}"]
+  cmd[cmd.index("--coordinator_address") + 1] = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  procs = [subprocess.Popen(cmd + ["--process_id", str(i)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  logs = [p.communicate(timeout=600)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
+  assert f"Resuming from the checkpoint of step {step}" in logs[0]

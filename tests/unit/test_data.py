@@ -316,3 +316,15 @@ def test_preparing_a_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, mo
   builder = sources.prepare("parallel_tsv", str(tmp_path / "tfds"), str(raw))
   assert builder.info.splits["train"].num_examples == 2
   assert list(temporary.iterdir()) == []
+
+
+def test_a_vocabulary_larger_than_the_corpus_gives_is_said_in_a_warning(caplog):
+  """SentencePiece stops where the corpus has no more pieces (hard_vocab_limit=False): the
+  config's data.vocab_size is then not what the run has, and the log says what it has."""
+  words = ["le chat", "la maison", "un chien noir", "the cat", "a black dog", "the house"]
+  sentences = [" ".join(words[(i + j) % len(words)] for j in range(3)) for i in range(60)]
+  tokenizers = train_tokenizers([(s, s) for s in sentences], "sentencepiece", 10 ** 9)
+  pieces = tokenizers.src.vocab_size
+  assert 4 < pieces < 200
+  assert (f"data.vocab_size=1000000000, but this corpus gives {pieces} pieces: the tokenizer "
+          f"and the model have {pieces}") in caplog.text

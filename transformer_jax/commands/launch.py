@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -29,14 +31,19 @@ def detected_cluster() -> str | None:
 
 
 def initialize_distributed(coordinator_address: str | None, num_processes: int, process_id: int,
-                           distributed: str) -> None:
+                           distributed: str, init_timeout: int = 300,
+                           heartbeat_timeout: int = 100) -> None:
   """jax.distributed from the flags (num_processes > 1), else, with distributed="auto", from a
-  detected cluster's environment; nothing for a single process."""
+  detected cluster's environment; nothing for a single process. `init_timeout`: seconds for
+  every process to join; `heartbeat_timeout`: seconds of silence after which the coordinator
+  counts a process as dead (jax's defaults)."""
+  timeouts = dict(initialization_timeout=init_timeout,
+                  heartbeat_timeout_seconds=heartbeat_timeout)
   if num_processes > 1:
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
   elif distributed == "auto" and (cluster := detected_cluster()):
     logging.info("Cluster environment %r detected: jax.distributed from its variables", cluster)
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeouts)
     logging.info("Process %d of %d, %d devices in all", jax.process_index(),
                  jax.process_count(), jax.device_count())
 
@@ -158,3 +165,62 @@ def keep_freed_memory() -> bool:
   except (OSError, AttributeError):  # Another C library (musl): its defaults stay.
     return False
   return all(mallopt(parameter, value) == 1 for parameter, value in _KEPT)
+
+
+def lost_processes(wait: float) -> list[int] | None:
+  """After a collective failed: the processes of this multi-process run that did not answer a
+  roll call within `wait` seconds ([] where all did), None where jax's coordination service
+  cannot be reached (process 0, which hosts it, is gone).
+
+  Each process whose collective failed writes its number under one key directory of the
+  service's key-value store and reads who else has. The service's own view of the dead (its
+  heartbeats) comes only after --heartbeat_timeout, and then it ends every process with an
+  abort, so the roll call must end first. Reads `jax._src.distributed.global_state.client`
+  (not a public API: where it moves, the answer is None)."""
+  try:
+    from jax._src.distributed import global_state
+    client, me, everyone = global_state.client, jax.process_index(), set(range(jax.process_count()))
+  except (ImportError, AttributeError):
+    return None
+  answer: list = []
+
+  def call():
+    try:
+      client.key_value_set(f"{ROLL_CALL}{me}", "here", allow_overwrite=True)
+      deadline = time.monotonic() + wait
+      while True:
+        here = {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(ROLL_CALL)}
+        if here >= everyone or time.monotonic() > deadline:
+          answer.append(sorted(everyone - here))
+          return
+        time.sleep(0.2)
+    except Exception:  # An RPC error: the coordinator is unreachable.
+      answer.append(None)
+
+  calling = threading.Thread(target=call, daemon=True)
+  calling.start()
+  calling.join(wait + 5)
+  return answer[0] if answer else None
+
+
+ROLL_CALL = "transformer_jax/collective_failed/"
+
+
+def exit_if_a_process_was_lost(error: BaseException, workdir: str, wait: float) -> None:
+  """After a collective of a multi-process run failed (`error`): where another process of the
+  run is gone, one line that names it and the step the same command resumes from, and exit 1
+  at once, not after jax's shutdown barrier (which waits for the lost process, then aborts).
+  Returns where every process is alive (the error is another one)."""
+  if jax.process_count() < 2:
+    return
+  lost = lost_processes(wait)
+  if lost == []:
+    return
+  from transformer_jax.runs.workdir import Workdir
+  steps = Workdir(workdir).checkpoint_steps()
+  resume = f"from the checkpoint of step {max(steps)}" if steps else "from the start"
+  who = ("process 0, which coordinates the run," if lost is None else
+         " and ".join(f"process {p}" for p in lost))
+  errors.exit_at_once(
+      f"{who} of {jax.process_count()} stopped ({errors.first_line(error)[:200]}); run the "
+      f"same command on every host to resume {resume}", 1)

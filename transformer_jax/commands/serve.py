@@ -173,7 +173,8 @@ def main(argv):
       app_ = _translation_app(FLAGS, config, beam_sizes, slots, programs)
     give_up = getattr(app_.state, "before_shutdown_deadline", None)
     from transformer_jax.serving.metrics import Metrics
-    app_ = _guarded(Metrics(app_, app_.state.figures, programs), FLAGS, language)
+    app_ = Metrics(app_, app_.state.figures, programs,
+                   guard=lambda inner: _guarded(inner, FLAGS, language))
     from transformer_jax.serving.protocol import with_head_timeout
     server = _server(give_up, FLAGS.shutdown_timeout, uvicorn.Config(
         app_, host=FLAGS.host, port=FLAGS.port, http=with_head_timeout(FLAGS.read_timeout),

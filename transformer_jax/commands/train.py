@@ -28,6 +28,10 @@ def define_flags() -> None:
   flags.DEFINE_enum("distributed", "auto", ["auto", "off"],
                     "auto: without --num_processes, join the multi-process run of a cluster that "
                     "jax detects from the environment (SLURM, Cloud TPU, Kubernetes, Open MPI).")
+  flags.DEFINE_integer("init_timeout", 300, "Several processes: seconds for all of them to join "
+                       "the run (a loaded machine or a slow scheduler needs minutes).")
+  flags.DEFINE_integer("heartbeat_timeout", 100, "Several processes: seconds without a "
+                       "heartbeat after which the coordinator counts a process as dead.")
 
 
 def main(argv):
@@ -48,12 +52,20 @@ def main(argv):
       config = run.load_config()
     # Orbax logs every save phase at INFO; keep the console to the trainer's own lines.
     logging.get_absl_handler().addFilter(lambda r: "/orbax/" not in r.pathname)
+    for name in ("init_timeout", "heartbeat_timeout"):
+      if getattr(F, name) < 1:
+        raise errors.UserError(f"--{name}={getattr(F, name)} must be at least 1 (seconds)")
     launch.initialize_distributed(F.coordinator_address, F.num_processes, F.process_id,
-                                  F.distributed)
+                                  F.distributed, F.init_timeout, F.heartbeat_timeout)
     # jax and the data stack load after the flags parse.
     import jax
     from transformer_jax.training import goodput, trainer
-    trainer.train_and_evaluate(config, F.workdir, started=goodput.process_start())
+    try:
+      trainer.train_and_evaluate(config, F.workdir, started=goodput.process_start())
+    except jax.errors.JaxRuntimeError as e:  # A collective's: is a process of the run gone?
+      launch.exit_if_a_process_was_lost(e, F.workdir,
+                                        wait=min(5.0, F.heartbeat_timeout / 2))
+      raise
   if jax.process_count() == 1:  # (Several processes: jax.distributed's exit syncs them.)
     # Every file written and closed, the ledger's last line included: the run ends here, as
     # translate does, rather than a second later, after jax's runtime is torn down.

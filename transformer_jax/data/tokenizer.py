@@ -17,6 +17,7 @@ from typing import Iterable, NamedTuple, Protocol
 
 import numpy as np
 import sentencepiece as spm
+from absl import logging
 
 from transformer_jax.errors import UserError
 
@@ -86,7 +87,11 @@ class SentencePiece:
           f"data.vocab_size={vocab_size} is below the {needed[1]} pieces this corpus needs "
           f"({what} and the reserved ids): raise it past {needed[1]} (SentencePiece's count; "
           "a larger vocabulary may need a few more)") from None
-    return cls(model.getvalue())
+    trained = cls(model.getvalue())
+    if trained.vocab_size < vocab_size:  # hard_vocab_limit=False: what the corpus holds.
+      logging.warning("data.vocab_size=%d, but this corpus gives %d pieces: the tokenizer and "
+                      "the model have %d", vocab_size, trained.vocab_size, trained.vocab_size)
+    return trained
 
   def encode(self, texts):
     texts = list(texts)

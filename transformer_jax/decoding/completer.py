@@ -60,7 +60,7 @@ class Completer:
     lengths = np.array([len(r) for r in rows], np.int32)
     # No row can take more than the model's positions past its prompt (the loop's own limit):
     # asking for more allocates nothing more.
-    max_new_tokens = min(max_new_tokens, self.max_len - int(lengths.min()) + 1)
+    max_new_tokens = min(max_new_tokens, self.max_len - int(lengths.min()))
     tokens = np.asarray(self._continue(self.params, jnp.asarray(prompts_ids),
                                        jnp.asarray(lengths), max_new_tokens, sampler,
                                        jax.random.PRNGKey(seed)))

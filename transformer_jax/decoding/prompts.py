@@ -27,7 +27,8 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
     prompts: [B, P] ids, each row <bos> + a prompt's tokens, then padding (P <= total_len).
     lengths: [B] each row's prompt length with <bos> (at least 1).
     total_len: the cache's positions (the model's max_len at most: learned positions).
-    max_new: tokens to generate at most per row; a row also stops at <eos> or at total_len.
+    max_new: tokens to generate at most per row; a row also stops at <eos> or where it holds
+      total_len tokens, <bos> and its prompt included.
     items: [B] each prompt's number in the input (default 0, 1, ...).
     vocab: the tokenizer's vocabulary size: ids from it on (the model's vocabulary padded to a
       multiple of 128) are never chosen. Default: every id of the model's.
@@ -46,8 +47,9 @@ def continue_prompts(model: LanguageModel, params, prompts, lengths, total_len: 
   b = prompts.shape[0]
   items = jnp.arange(b) if items is None else items
   lengths = jnp.asarray(lengths, jnp.int32)
-  # Row r's tokens reach the end of the cache after total_len - lengths[r] + 1 of them.
-  limits = jnp.minimum(max_new, total_len - lengths + 1)  # [B]
+  # A row of <bos>, its prompt and its new tokens holds total_len tokens at most (the rule of
+  # the completions server, whose slots keep each token at its position).
+  limits = jnp.minimum(max_new, total_len - lengths)  # [B]
   widths = cache_widths(prompts.shape[1], max_new, total_len)
 
   def draw(logits, i):  # logits [B, V], i: the new tokens' index -> tokens [B]

@@ -42,10 +42,14 @@ class _Figures:
 class Metrics:
   """ASGI middleware over a server's app: times and counts each HTTP request by its endpoint
   (a path the app routes; `other` for the rest, so that a scan of random paths adds no
-  series) and the status it was answered with, and answers GET /metrics itself."""
+  series) and the status it was answered with, and answers GET /metrics itself. `guard`
+  (app -> app) wraps what is inside the counting, /metrics included: the requests it refuses
+  are counted too, and /metrics needs what the app's endpoints need."""
 
-  def __init__(self, app, read: Callable[[], dict[str, Figure]], programs=None):
+  def __init__(self, app, read: Callable[[], dict[str, Figure]], programs=None,
+               guard: Callable | None = None):
     self.app = app
+    self.inner = guard(self._route) if guard else self._route
     self.endpoints = {route.path for route in getattr(app, "routes", ())} | {"/metrics"}
     self.registry = CollectorRegistry(auto_describe=False)
     self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and "
@@ -96,12 +100,15 @@ class Metrics:
       await send(message)
 
     try:
-      if path == "/metrics":
-        await self._answer(scope, sending)
-      else:
-        await self.app(scope, receive, sending)
+      await self.inner(scope, receive, sending)
     finally:
       finish()  # A client gone before the end: counted with the status it was given.
+
+  async def _route(self, scope, receive, send):
+    if scope["path"] == "/metrics":
+      await self._answer(scope, send)
+    else:
+      await self.app(scope, receive, send)
 
   async def _answer(self, scope, send) -> None:
     if scope["method"] not in ("GET", "HEAD"):
