@@ -74,12 +74,20 @@ def exit_interrupted(message: str) -> None:
   exit_at_once(message, 130)
 
 
+# The real stderr's descriptor while file descriptor 2 is captured for a while (aot's plugin
+# loading): a command that exits at once writes its line there, not into the capture.
+stderr_elsewhere: list[int] = []
+
+
 def exit_at_once(message: str, status: int) -> None:
   """`error: MESSAGE` and exit `status`, at once. Not through the interpreter's teardown: with
   a library's threads still in their native work (tfds preparing a dataset, orbax reading a
   checkpoint, XLA compiling) it crashed after the line (a segfault, exit 139), or waited for
   them (jax's shutdown barrier, for a process that is gone)."""
   _flush()
+  if stderr_elsewhere:
+    sys.stderr.flush()
+    os.dup2(stderr_elsewhere[-1], 2)
   print(f"error: {message}", file=sys.stderr)
   sys.stderr.flush()
   sys.stdout.flush()

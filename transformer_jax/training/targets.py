@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from transformer_jax import errors
 from transformer_jax.errors import UserError
 
 PLUGINS_ENV = "TRANSFORMER_JAX_AOT_PLUGINS"
@@ -69,9 +70,11 @@ def plugin_load_noise_dropped():
   saved = os.dup(2)
   with tempfile.TemporaryFile() as captured:
     os.dup2(captured.fileno(), 2)
+    errors.stderr_elsewhere.append(saved)  # Ctrl-C meanwhile: its line goes to the real one.
     try:
       yield
     finally:
+      errors.stderr_elsewhere.remove(saved)
       sys.stderr.flush()
       os.dup2(saved, 2)
       os.close(saved)
