@@ -179,7 +179,8 @@ def lost_processes(wait: float) -> list[int] | None:
   (not a public API: where it moves, the answer is None)."""
   try:
     from jax._src.distributed import global_state
-    client, me, everyone = global_state.client, jax.process_index(), set(range(jax.process_count()))
+    client, me = global_state.client, jax.process_index()
+    everyone = set(range(jax.process_count()))
   except (ImportError, AttributeError):
     return None
   answer: list = []
