@@ -237,9 +237,10 @@ def test_a_run_resumed_with_another_optimizer_is_refused():
   from configs import fra_eng
   from transformer_jax.training import resume
   saved = config_lib.parse(fra_eng.get_config())
+  assert saved.optimizer.name == "muon"  # The main job's.
   changed = fra_eng.get_config()
-  changed.optimizer.name = "muon"
+  changed.optimizer.name = "adamw"
   with pytest.raises(config_lib.ConfigError, match=re.escape(
-      "the workdir's checkpoints are of another model: optimizer.name='muon' (its config.json: "
-      "'adamw')")):
+      "the workdir's checkpoints are of another model: optimizer.name='adamw' (its config.json: "
+      "'muon')")):
     resume.check_same_model(saved, config_lib.parse(changed))
