@@ -39,9 +39,10 @@
 # DRY=1: any part on a CPU at toy sizes, so that the script cannot rot between GPU loans (the
 # test suite runs every part so: tests/system/test_run_gpu.py). Every command, flag and config
 # override is the GPU run's; only sizes change: each config at its `:smoke` size, each count
-# (steps, rounds, seconds, pairs, vocabulary, sentences) cut, the pytest steps collected
-# rather than run (the suite runs those tests itself), no nvidia-smi, XLA's backend
-# optimizations off.
+# (steps, rounds, repeats, seconds, pairs, vocabulary, sentences) cut, of the variants of one
+# command the first and the last, a command repeated for the big size left to the base size
+# (one toy model), the pytest steps collected rather than run (the suite runs those tests
+# itself), no nvidia-smi, XLA's backend optimizations off.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
 # that a part would overwrite, 99: no wheels).
@@ -49,6 +50,10 @@ set -uo pipefail
 dry=${DRY:-0}
 n() { if [ "$dry" = 1 ]; then echo "$2"; else echo "$1"; fi; }  # n GPU_COUNT TOY_COUNT
 cfg() { echo "configs/$1.py$(n '' :smoke)"; }  # cfg NAME: the config file, toy-sized in a dry run
+# some A B ... Z: all of them on a GPU; in a dry run the first and the last (the variants of one
+# command share its code paths at toy sizes, and the last combines the levers before it).
+some() { if [ "$dry" = 1 ] && [ $# -gt 2 ]; then echo "$1" "${@: -1}"; else echo "$@"; fi; }
+variants() { for v in $(some "$@"); do printf -- '--variant %s ' "$v"; done; }  # variants A B ...
 
 out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|lm|lm_peer|mfu]}
 part=${2:-real}
@@ -111,8 +116,8 @@ if [ "$part" = real ]; then
   step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs "$(n 300000 5000)"
   data=(--data_dir "$corpus" --tfds_dir "$corpus/tfds")
   step token_ids 600 $py benchmarks/token_ids.py --config "$(cfg synthetic)" "${data[@]}" \
-      --variant model.embed_grad=scatter --variant model.embed_grad=sorted \
-      --variant model.embed_grad=onehot --json "$out/token_ids.json"
+      $(variants model.embed_grad=scatter model.embed_grad=sorted model.embed_grad=onehot) \
+      --batches "$(n 4 1)" --repeats "$(n 20 1)" --json "$out/token_ids.json"
 elif [ "$part" = train ]; then
   corpus=$out/synth300k
   step corpus 300 $py benchmarks/synthetic_corpus.py --out "$corpus" --pairs "$(n 300000 5000)"
@@ -121,7 +126,7 @@ elif [ "$part" = train ]; then
       --config.run.num_steps="$(n 300 4)" --config.run.log_every=50 --config.eval.every=100000 \
       --config.eval.bleu_sentences=0 --config.run.checkpoint_every=100000
   cp "$out/train_base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null
-  for grad in sorted scatter onehot; do
+  for grad in $(some sorted scatter onehot); do
     step "train_step_$grad" 400 $py benchmarks/train_step.py --config "$(cfg synthetic)" \
         --data_dir "$corpus" --tfds_dir "$corpus/tfds" --batches packed,random --steps "$(n 50 2)" \
         --set model.embed_grad=$grad "${matmul[@]}" --json "$out/train_step_$grad.json"
@@ -190,17 +195,16 @@ elif [ "$part" = mfu ]; then
   step gpt2_profile 120 $py benchmarks/profile_step.py --config "$(cfg lm_gpt2_small)" \
       --steps 3 --top 25 --json "$out/gpt2_profile.json"
 elif [ "$part" = 3 ]; then
-  for size in base big; do
+  for size in base $(n big ''); do  # At toy sizes the two configs are one model.
     step "variants_$size" 300 $py benchmarks/step_variants.py --config "$(cfg wmt14_$size)" \
-        --steps "$(n 20 2)" --variant step.loss_chunks=1 --variant step.loss_chunks=4 \
-        --variant step.loss_chunks=8 --variant step.grad_accum_steps=4 \
-        --variant step.grad_accum_steps=4,step.loss_chunks=4 \
+        --steps "$(n 20 2)" $(variants step.loss_chunks=1 step.loss_chunks=4 step.loss_chunks=8 \
+        step.grad_accum_steps=4 step.grad_accum_steps=4,step.loss_chunks=4) \
         --json "$out/variants_$size.json"
   done
   step compare_compile 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
       $py benchmarks/compare_pytorch.py --config "$(cfg wmt14_base)" --compile \
-      --json "$out/compare_compile.json"
-  for chunks in 1 4; do
+      --rounds "$(n 4 1)" --steps "$(n 5 1)" --json "$out/compare_compile.json"
+  for chunks in $(n "1 4" 4); do
     step "profile_chunks$chunks" 200 $py benchmarks/profile_step.py --config "$(cfg wmt14_base)" \
         --set step.loss_chunks=$chunks
   done
@@ -210,15 +214,18 @@ else
       "${base[@]}" --json "$out/base_cudnn_rbg.json"
   step base_xla 150 $py benchmarks/train_step.py "${base[@]}" --set model.attention_impl=xla \
       --json "$out/base_xla.json"
-  step big_xla 150 $py benchmarks/train_step.py "${big[@]}" --set model.attention_impl=xla \
-      --json "$out/big_xla.json"
+  if [ "$dry" = 0 ]; then  # At toy sizes, base_xla's model (part 1 runs the big config).
+    step big_xla 150 $py benchmarks/train_step.py "${big[@]}" --set model.attention_impl=xla \
+        --json "$out/big_xla.json"
+  fi
   # Both frameworks share the card: JAX allocates as it goes instead of taking 75% up front.
   step compare_base 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py benchmarks/compare_pytorch.py \
-      --config "$(cfg wmt14_base)" --json "$out/compare_base.json"
-  # A dry run repeats each decoder 3 times: its uncached baseline at batch 64 takes seconds a
-  # call on 2 CPU cores, and 10 of them came within a few seconds of the limit.
+      --config "$(cfg wmt14_base)" --rounds "$(n 4 1)" --steps "$(n 5 1)" \
+      --json "$out/compare_base.json"
+  # A dry run times each decoder once at batches of 1 and 8 (the uncached baseline at batch 64
+  # takes seconds a call on 2 CPU cores).
   step decode 120 $py benchmarks/decode.py --config "$(cfg fra_eng)" --out_len 64 \
-      --repeats "$(n 10 3)" --json "$out/decode.json"
+      --batches "$(n 1,64 1,8)" --repeats "$(n 10 1)" --json "$out/decode.json"
 fi
 echo "=== failures: $failures"
 exit "$failures"
