@@ -25,6 +25,13 @@ def xla_flags(*flags: str) -> str:
   """XLA_FLAGS for a process the tests start: the suite's own and `flags`."""
   return " ".join((os.environ["XLA_FLAGS"], *flags))
 
+
+def optimized_env() -> dict[str, str]:
+  """The environment for a process that trains for a hundred steps or more: its programs
+  compiled with LLVM's optimizations (d2l_tiny's 120 steps: 39 s against 59 s without)."""
+  flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE, "").strip()
+  return dict(os.environ, XLA_FLAGS=flags)
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]

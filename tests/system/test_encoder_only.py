@@ -599,15 +599,14 @@ def test_the_label_efficiency_table_fine_tunes_each_share_from_both_starts(mlm_r
                                                                           tfds_dir, cache_dir):
   args = ["--config", "configs/genre_shakespeare.py:smoke", "--pretrained", mlm_run,
           *_data_sets(tfds_dir), "--set", "model.embed_norm=True",
-          "--set", f"run.compilation_cache_dir={cache_dir}", "--fractions", "0.05,1",
+          "--set", f"run.compilation_cache_dir={cache_dir}", "--fractions", "0.05",
           "--seeds", "1", "--steps", 4, "--out", tmp_path / "points", "--json",
           tmp_path / "table.json"]
   proc = _benchmark("label_efficiency.py", *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.loads((tmp_path / "table.json").read_text())
   points = {(p["fraction"], p["start"]): p for p in record["points"]}
-  assert sorted(points) == [(0.05, "pretrained"), (0.05, "random"), (1.0, "pretrained"),
-                            (1.0, "random")]
+  assert sorted(points) == [(0.05, "pretrained"), (0.05, "random")]
   for (fraction, start), point in points.items():
     workdir = tmp_path / "points" / f"{start}_f{fraction:g}_s1"
     config = json.loads((workdir / "config.json").read_text())
