@@ -17,11 +17,16 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
+from transformer_jax import starting
 
-from transformer_jax import errors
+if __name__ == "__main__":  # Before the imports below (logging's take a while under load).
+  starting.exit_130_on_ctrl_c()
+
+import importlib  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from transformer_jax import errors  # noqa: E402
 
 COMMANDS = ("train", "translate", "generate", "fill", "classify", "average", "visualize", "aot",
             "export", "serve", "download", "report")

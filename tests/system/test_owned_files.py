@@ -312,3 +312,27 @@ def test_text_outputs_never_replace_a_binary_file_a_dataset_or_a_run(run_copy, t
   for args, message in cases:
     assert _one_error_line(_run("-m", "transformer_jax", *args)) == message
   assert _tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("flag,inside,kind", [
+    ("--json", "metrics.jsonl", "file"), ("--save_train_step", "checkpoints/step.bin", "file"),
+    ("--hlo", "checkpoints/hlo", "directory")])
+def test_aot_writes_nothing_into_a_run(run_copy, flag, inside, kind):
+  before = _tree_digest(run_copy)
+  result = _run("-m", "transformer_jax", "aot", "--config", "configs/fra_eng.py:smoke",
+                "--topology", "v5e:2x2", flag, str(run_copy / inside))
+  assert _one_error_line(result) == (
+      f"error: {flag} {run_copy / inside} is inside the workdir {run_copy}: name a {kind} "
+      "outside it (its files are the run's)")
+  assert _tree_digest(run_copy) == before
+
+
+def test_visualize_draws_beside_a_runs_files_not_among_them(run_copy):
+  before = _tree_digest(run_copy)
+  out = run_copy / "checkpoints" / "maps"
+  result = _run("-m", "transformer_jax", "visualize", "--workdir", str(run_copy), "--out",
+                str(out), "I lost.")
+  assert _one_error_line(result) == (
+      f"error: --out {out} is inside the workdir {run_copy}: name a directory outside it (its "
+      "files are the run's)")
+  assert _tree_digest(run_copy) == before

@@ -92,7 +92,7 @@ def test_nothing_imports_upward():
 def test_the_root_holds_only_shared_plumbing():
   assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
       "__init__.py", "__main__.py", "checkpoint.py", "config.py", "errors.py", "fs.py",
-      "metrics.py", "programs.py", "sharding.py"]
+      "metrics.py", "programs.py", "sharding.py", "starting.py"]
 
 
 def test_the_cycle_finder_finds_one():

@@ -37,15 +37,20 @@ def main(argv):
     if unknown or not programs:
       raise targets.AotError(f"--programs {F.programs!r}: choose from "
                              f"{', '.join(targets.PROGRAMS)}")
+    from transformer_jax.runs.workdir import check_file_outside_runs, check_outside_runs
     if F.json:
       fs.check_output_file(F.json, "--json")
+      check_file_outside_runs(F.json, "--json")  # Never over a run's or a dataset's file.
     if F.hlo and Path(F.hlo).exists() and not Path(F.hlo).is_dir():
       raise targets.AotError(f"--hlo {F.hlo} is a file, not a directory")
+    if F.hlo:
+      check_outside_runs(F.hlo, "--hlo")
     target = targets.Target.parse(F.topology, F.num_slices)
     if F.save_train_step:
       if "train" not in programs:
         raise targets.AotError("--save_train_step needs the train program in --programs")
       fs.check_output_file(F.save_train_step, "--save_train_step")
+      check_file_outside_runs(F.save_train_step, "--save_train_step")
     report = aot.compile_report(F.config, target, programs,
                                 progress=lambda s: print(s, file=sys.stderr, flush=True),
                                 save_train_step=F.save_train_step, hlo_dir=F.hlo)

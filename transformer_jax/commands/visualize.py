@@ -38,12 +38,13 @@ def main(argv):
     if not argv[1].strip():
       raise InferenceError("the sentence is empty")
     fs.check_writable(FLAGS.out, "--out")
+    from transformer_jax.runs.workdir import Workdir, check_outside_runs
+    check_outside_runs(FLAGS.out, "--out")  # Beside a run's files at most, not among them.
     # Each map is KIND_layerN.png: a user's files of those names are never replaced.
     if taken := sorted(p.name for p in Path(FLAGS.out).glob("*_layer*.png")):
       raise InferenceError(f"--out {FLAGS.out} already holds {', '.join(taken[:3])}"
                            f"{', ...' if len(taken) > 3 else ''}: name a new directory, or "
                            "move those away")
-    from transformer_jax.runs.workdir import Workdir
     Workdir(FLAGS.workdir).check_family("encoder_decoder", "visualize")
     from transformer_jax.decoding import heatmaps  # matplotlib and the model load after the checks.
     translator = heatmaps.Translator(FLAGS.workdir, FLAGS.step)
