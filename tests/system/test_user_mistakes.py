@@ -278,7 +278,7 @@ def test_ctrl_c_while_a_command_loads_its_libraries_exits_130_in_one_line(second
 
 def test_ctrl_c_before_the_first_library_loads_exits_130_in_one_line():
   """A SIGINT at 0.1 s under load landed before `errors` was imported (in `logging`'s and
-  `re`'s own imports): a KeyboardInterrupt traceback and exit -2 (3 of 50 tries). Both entry
+  `re`'s own imports): a KeyboardInterrupt traceback and exit -2 (3 of 600 tries). Both entry
   points now catch it first, before any other import."""
   import ast
   for entry in (ROOT / "transformer_jax" / "__main__.py", ROOT / "train.py"):
