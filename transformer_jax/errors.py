@@ -16,6 +16,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from transformer_jax.starting import NOTHING_WRITTEN
+
 
 class UserError(Exception):
   """A problem with what the user gave (flags, config, files), told in one line."""
@@ -47,7 +49,7 @@ def _flush() -> None:
 
 
 @contextlib.contextmanager
-def reported(interrupted: str = "interrupted; nothing was written") -> Iterator[None]:
+def reported(interrupted: str = NOTHING_WRITTEN) -> Iterator[None]:
   """Runs a command's body: a UserError or an OSError (a disk that fills, a directory that
   goes away) exits 1 with one line; Ctrl-C exits 130 with `interrupted`, also one that came
   while the command started and that a library swallowed (note_interrupts)."""
@@ -102,10 +104,10 @@ def run_command(run) -> None:
   try:
     run()
   except KeyboardInterrupt:  # Before the command's body began.
-    exit_interrupted("interrupted; nothing was written")
+    exit_interrupted(NOTHING_WRITTEN)
   except Exception:
     if _interrupted:  # Raised in a C extension's initialization: "ImportError: initialization
-      exit_interrupted("interrupted; nothing was written")  # failed" (tensorstore's).
+      exit_interrupted(NOTHING_WRITTEN)  # failed" (tensorstore's).
     raise
   finally:  # Done: a Ctrl-C now would only cut the interpreter's teardown short.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,7 +134,7 @@ def note_interrupts(starting: bool = False) -> None:
   def handler(signum, frame):
     _interrupted.append(signum)
     if _starting:
-      exit_interrupted("interrupted; nothing was written")
+      exit_interrupted(NOTHING_WRITTEN)
     raise KeyboardInterrupt
 
   def unraisable(report):  # Raised where Python can only print it (jax's gc callback, a

@@ -7,9 +7,11 @@ and `signal` here: nothing that takes time to load."""
 import os
 import signal
 
+NOTHING_WRITTEN = "interrupted; nothing was written"  # The line of every early Ctrl-C.
+
 
 def _exit_130(signum, frame):
-  os.write(2, b"error: interrupted; nothing was written\n")
+  os.write(2, f"error: {NOTHING_WRITTEN}\n".encode())
   os._exit(130)
 
 
