@@ -26,6 +26,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -64,10 +65,16 @@ def main():
                            "tried here); 0: --ct2_batch examples.")
   parser.add_argument("--ct2_batch", type=int, default=64,
                       help="CTranslate2's max_batch_size in examples, with --ct2_batch_tokens 0.")
+  parser.add_argument("--ct2_limit", choices=("ours", "default"), default="ours",
+                      help="CTranslate2's output limit: ours (the model's max_len + 10, the "
+                      "most translate allows a source of max_len) or its own default (256).")
   parser.add_argument("--modes", default="greedy,beam")
   parser.add_argument("--engines", default="ours,ct2-float32,ct2-int8",
                       help="ours: translate's decoding slots (--slots); ours-batches: its "
-                      "fixed batches (--batch_size, --batch_tokens); ct2-float32, ct2-int8.")
+                      "fixed batches (--batch_size, --batch_tokens); ours-int8, ours-shortlist, "
+                      "ours-int8-shortlist: the slots with int8 weights, the workdir's "
+                      "vocabulary shortlist, both; ct2-float32, ct2-int8, each with -vmap: "
+                      "CTranslate2 with the same shortlist as its vocabulary map.")
   parser.add_argument("--slots", default="auto", help="ours' decoding slots: 'auto' or a count.")
   parser.add_argument("--lanes", default="auto", help="ours' streams of slots: 'auto' or a count.")
   parser.add_argument("--rounds", type=int, default=2)
@@ -82,7 +89,7 @@ def main():
   import sacrebleu
   import sentencepiece as spm
 
-  from transformer_jax.decoding import platforms
+  from transformer_jax.decoding import platforms, shortlist
   from transformer_jax.decoding.inputs import read_lines
   from transformer_jax.decoding.options import DecodeOptions
   from transformer_jax.decoding.lines import BEAM_BUDGET, translate_lines
@@ -93,9 +100,16 @@ def main():
   if args.limit:
     lines = lines[:args.limit]
     references = references and references[:args.limit]
-  translator = Translator(args.workdir)
-  if args.lanes != "auto":
-    translator.lanes = int(args.lanes)
+  engine_names = args.engines.split(",")
+  translators = {}
+  for name in engine_names:
+    if name.startswith("ours"):
+      translators[name] = Translator(
+          args.workdir, int8_weights="-int8" in name,
+          shortlist=shortlist.for_workdir(args.workdir) if "-shortlist" in name else None)
+      if args.lanes != "auto":
+        translators[name].lanes = int(args.lanes)
+  translator = next(iter(translators.values()))
   alpha = translator.config.decode.alpha if args.alpha is None else args.alpha
   sp = spm.SentencePieceProcessor(model_proto=translator.tokenizers.src.model_proto)
   sources = [sp.encode(line, out_type=str) for line in lines]
@@ -109,7 +123,7 @@ def main():
 
   with tempfile.TemporaryDirectory() as tmp:
     engines = {}
-    for name in args.engines.split(","):
+    for name in engine_names:
       if name.startswith("ours"):
         engines[name] = None
         continue
@@ -117,6 +131,8 @@ def main():
       from transformer_jax.interop import export
       if not (Path(tmp) / "ct2").exists():
         export.export(args.workdir, "ctranslate2", Path(tmp) / "ct2")
+      if name.endswith("-vmap") and not (Path(tmp) / "ct2" / "vmap.txt").exists():
+        shutil.copy(shortlist.for_workdir(args.workdir), Path(tmp) / "ct2" / "vmap.txt")
       engines[name] = ctranslate2.Translator(str(Path(tmp) / "ct2"), device="cpu",
                                              compute_type=name.split("-")[1],
                                              inter_threads=1, intra_threads=args.threads)
@@ -125,36 +141,40 @@ def main():
       if name.startswith("ours"):
         options = DecodeOptions(beam_size=beam, alpha=alpha)
         kwargs = {"batch_tokens": args.batch_tokens} if args.batch_tokens else {}
-        if name == "ours":
+        if not name.startswith("ours-batches"):
           kwargs["num_slots"] = (platforms.CPU.slots(beam) if args.slots == "auto"
                                  else int(args.slots))
-        return translate_lines(translator, [lines[i] for i in which], options, args.batch_size,
-                               progress=False, **kwargs)
+        return translate_lines(translators[name], [lines[i] for i in which], options,
+                               args.batch_size, progress=False, **kwargs)
+      limit = dict(max_decoding_length=max_len + 10) if args.ct2_limit == "ours" else {}
       batching = (dict(max_batch_size=args.ct2_batch_tokens, batch_type="tokens")
                   if args.ct2_batch_tokens else dict(max_batch_size=args.ct2_batch))
       results = engines[name].translate_batch(
           [sources[i] for i in which], beam_size=beam, length_penalty=alpha,
-          max_input_length=max_len, max_decoding_length=max_len + 10, **batching)
+          use_vmap=name.endswith("-vmap"),
+          max_input_length=max_len, **limit, **batching)
       return [sp.decode_pieces(r.hypotheses[0]) for r in results]
 
     rows, everything = [], list(range(len(lines)))
     for mode in args.modes.split(","):
       beam = 1 if mode == "greedy" else args.beam_size
       outputs, first, times = {}, {}, {name: [] for name in engines}
-      stepped = lambda: sum(d.rows_stepped for d in translator._slot_decoders.values())
+      stepped = lambda name: sum(d.rows_stepped
+                                 for d in translators[name]._slot_decoders.values())
       rows_stepped = {}
       for name in engines:  # Warm-up: compiles ours for every width (in slots: every
         start = time.perf_counter()  # encoder batch size too, so a whole pass).
-        run(name, beam, everything if name == "ours" else warm_up)
+        run(name, beam, everything if name in translators else warm_up)
         first[name] = time.perf_counter() - start
         print(f"{mode} {name}: warm-up ({len(warm_up)} sources) {first[name]:.1f} s", flush=True)
       for _ in range(args.rounds):
         for name in engines:
-          start, before = time.perf_counter(), stepped()
+          slotted = name in translators and not name.startswith("ours-batches")
+          start, before = time.perf_counter(), slotted and stepped(name)
           out = run(name, beam, everything)
           times[name].append(time.perf_counter() - start)
-          if name == "ours":  # The decoder rows the slots' steps computed in one pass.
-            rows_stepped[name] = stepped() - before
+          if slotted:  # The decoder rows the slots' steps computed in one pass.
+            rows_stepped[name] = stepped(name) - before
           assert outputs.setdefault(name, out) == out, f"{name}: another pass, other outputs"
           print(f"{mode} {name}: {times[name][-1]:.1f} s", flush=True)
       for name in engines:
@@ -178,7 +198,7 @@ def main():
             f"alpha {alpha}; ours: --slots {args.slots}, {translator.lanes} lanes; ours-batches: batches of "
             f"{args.batch_size} sentences, {args.batch_tokens} tokens (beam search "
             f"{BEAM_BUDGET}x that); "
-            f"CTranslate2: batches of " + (f"{args.ct2_batch_tokens} tokens"
+            f"CTranslate2: output limit {args.ct2_limit}, batches of " + (f"{args.ct2_batch_tokens} tokens"
                                            if args.ct2_batch_tokens else
                                            f"{args.ct2_batch} sentences")
             + f"; {time.strftime('%Y-%m-%d')}")

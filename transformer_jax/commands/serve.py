@@ -46,6 +46,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest that verifies.")
   flags.DEFINE_bool("ema", True, "Decode with the parameters' moving average where the run kept "
                     "one.")
+  flags.DEFINE_bool("int8", False, "A translation model's products in int8 (as translate "
+                    "--int8).")
+  flags.DEFINE_bool("shortlist", False, "A translation model's steps projected onto the "
+                    "vocabulary shortlist of the sources decoding at once (as translate "
+                    "--shortlist).")
   flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
   flags.DEFINE_integer("port", 8080, "Port to listen on.")
   flags.DEFINE_list("beam_sizes", None, "Beam sizes a request may ask for, each compiled at "
@@ -250,7 +255,10 @@ def _translation_app(FLAGS, config, beam_sizes, slots, programs):
   if default_beam not in settings.beam_sizes:
     raise ServeError(f"--beam_sizes {FLAGS.beam_sizes} leaves out the workdir's default beam "
                      f"size ({default_beam}), which requests without beam_size get")
-  translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs)
+  from transformer_jax.decoding.shortlist import for_workdir
+  translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs,
+                          int8_weights=FLAGS.int8,
+                          shortlist=FLAGS.shortlist and for_workdir(FLAGS.workdir[0]))
   return create_app(Service(translator, settings))
 
 
@@ -259,6 +267,9 @@ def _completions_app(FLAGS, slots, programs):
   from transformer_jax.decoding import platforms
   from transformer_jax.decoding.completer import Completer
   from transformer_jax.serving import completions, openai_requests
+  if FLAGS.int8 or FLAGS.shortlist:
+    raise ServeError(f"--{'int8' if FLAGS.int8 else 'shortlist'} is for translation models; "
+                     "a language model serves as it was trained")
   completer = Completer(FLAGS.workdir[0], FLAGS.step, ema=FLAGS.ema, command="serve")
   if slots < 0:
     slots = platforms.settings(jax.default_backend()).slots(1)

@@ -41,6 +41,7 @@ from transformer_jax.metrics import corpus_bleu  # noqa: E402
 from transformer_jax.programs import ProgramStore  # noqa: E402
 from transformer_jax.decoding.inputs import split_pairs  # noqa: E402
 from transformer_jax.decoding.lines import n_best_lines, translate_lines  # noqa: E402
+from transformer_jax.decoding.shortlist import for_workdir as shortlist_file  # noqa: E402
 from transformer_jax.decoding.translator import Translator  # noqa: E402
 from transformer_jax.runs.workdir import Workdir  # noqa: E402
 
@@ -110,6 +111,14 @@ def define_flags():
   flags.DEFINE_bool("ema", True, "Decode with the evaluation parameters where the run kept them "
                     "(a moving average, ema_decay > 0, or schedule-free AdamW's); --noema: with "
                     "the parameters themselves.")
+  flags.DEFINE_bool("int8", False, "Decode with int8 weights: every matrix product of the "
+                    "layers and the tied output projection in int8, scaled per output channel "
+                    "(CTranslate2's int8 scheme). Faster where the CPU multiplies int8 "
+                    "quickly (VNNI); docs/translating.md gives the speed and BLEU measured.")
+  flags.DEFINE_bool("shortlist", False, "Project each decoder step onto a vocabulary shortlist: "
+                    "the union of the candidates of the sources decoded at once "
+                    "(WORKDIR/shortlist.tsv, CTranslate2's vocabulary-map format; built from "
+                    "the run's training pairs on first use). Needs decoding slots.")
 
 
 def main(argv):
@@ -196,9 +205,13 @@ def main(argv):
     settings = repr(("translate", FLAGS.workdir, FLAGS.beam_size, FLAGS.max_len,
                      FLAGS.beam_stop, FLAGS.segment_over, FLAGS.long_over,
                      FLAGS.long_beam_size, FLAGS.n_best, FLAGS.slots, FLAGS.lanes,
-                     bool(FLAGS.input or FLAGS.split)))
+                     bool(FLAGS.input or FLAGS.split), FLAGS.int8, FLAGS.shortlist))
     programs.preload(settings)
-    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs)
+    if FLAGS.shortlist and FLAGS.slots == "0":
+      raise InferenceError("--shortlist needs decoding slots: --slots 0 decodes in batches")
+    translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs,
+                            int8_weights=FLAGS.int8,
+                            shortlist=FLAGS.shortlist and shortlist_file(FLAGS.workdir[0]))
     if FLAGS.lanes != "auto":
       translator.lanes = int(FLAGS.lanes)
     limit = translator.max_output_len

@@ -63,24 +63,33 @@ def decoder(model, params, src, max_len: int, vocab: int | None = None):
   return ensemble_step, caches
 
 
-def slot_model(model, vocab: int | None = None) -> slots.SlotModel:
+def slot_model(model, vocab: int | None = None, shortlist=None) -> slots.SlotModel:
   """The slots' view (slots.SlotModel) of one model or an ensemble (a sequence of models
   sharing a vocabulary: log-probabilities averaged, as `decoder`); `params` then a sequence.
-  `vocab`: the ids a step may emit, as `decoder`'s."""
+  `vocab`: the ids a step may emit, as `decoder`'s. `shortlist` (shortlist.Candidates): each
+  step projects onto the union of its sources' candidates only (search.Shortlisted), each
+  search choosing among its own source's."""
   models = (model,) if isinstance(model, Transformer) else tuple(model)
   ensemble = not isinstance(model, Transformer)
   members = lambda params: params if ensemble else (params,)
 
   def step(params, tokens, caches, sources, index):
+    ids = allowed = None
+    if shortlist is not None:
+      ids, allowed = shortlist.columns(sources[0]["shortlist"])  # [C], [searches, C]
+      allowed = jnp.repeat(allowed, tokens.shape[0] // allowed.shape[0], axis=0)  # Beams' rows.
     logits, new = [], []
     for m, p, cache, source in zip(models, members(params), caches, sources):
-      x, cache = m.apply({"params": p}, tokens, {"index": index, **cache}, source,
+      source = {key: source[key] for key in ("k", "v", "valid")}
+      x, cache = m.apply({"params": p}, tokens, {"index": index, **cache}, source, ids,
                          method=Transformer.decode_step)
-      logits.append(search.tokens_only(x, vocab))
+      logits.append(search.tokens_only(x, None if ids is not None else vocab))
       new.append({"k": cache["k"], "v": cache["v"]})
-    if len(models) == 1:
-      return logits[0], tuple(new)
-    return sum(jax.nn.log_softmax(x) for x in logits) / len(logits), tuple(new)
+    out = (logits[0] if len(models) == 1
+           else sum(jax.nn.log_softmax(x) for x in logits) / len(logits))
+    if shortlist is not None:
+      out = search.Shortlisted(jnp.where(allowed, out, search.NEG_INF), ids)
+    return out, tuple(new)
 
   def init_cache(params, rows, max_len):
     caches = (m.apply({"params": p}, rows, max_len, method=Transformer.init_cache)
@@ -93,10 +102,14 @@ def slot_model(model, vocab: int | None = None) -> slots.SlotModel:
                                     + [(0, 0)] * (-axis - 1))
       return {"k": jax.tree.map(lambda x: pad(x, -2), state["k"]),
               "v": jax.tree.map(lambda x: pad(x, -2), state["v"]), "valid": pad(state["valid"], -1)}
-    return tuple(padded(encode_source(m, p, src)) for m, p in zip(models, members(params)))
+    states = [padded(encode_source(m, p, src)) for m, p in zip(models, members(params))]
+    if shortlist is not None:
+      states[0]["shortlist"] = shortlist.of_sources(src)
+    return tuple(states)
 
   return slots.SlotModel(step=step, init_cache=init_cache, encode=encode,
-                         describe=repr((tuple(m.cfg for m in models), vocab)),
+                         describe=repr((tuple(m.cfg for m in models), vocab,
+                                        shortlist and shortlist.describe)),
                          cache_positions=CACHE_POSITIONS)
 
 

@@ -28,6 +28,28 @@ from transformer_jax.config import BEAM_STOPS  # When a beam search ends.
 
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Shortlisted:
+  """What a step over a vocabulary shortlist gives instead of [R, V] logits: the logits of the
+  shortlist's C columns only [R, C] (columns past it at NEG_INF) and the vocabulary id of each
+  column, ascending [C]. The searches pick among columns and emit their ids."""
+  logits: jax.Array
+  ids: jax.Array
+
+
+def columns(logits) -> tuple[jax.Array, jax.Array | None]:
+  """A step's logits -> (logits [R, C], each column's id [C], or None: column c is id c)."""
+  if isinstance(logits, Shortlisted):
+    return logits.logits, logits.ids
+  return logits, None
+
+
+def token_ids(picked: jax.Array, ids: jax.Array | None) -> jax.Array:
+  """Columns picked -> the vocabulary ids they stand for (`columns`' ids)."""
+  return picked if ids is None else jnp.take(ids, picked, axis=0)
 NEG_INF = -1e9
 
 
@@ -131,6 +153,7 @@ def sample_step(tokens_to_logits: TokensToLogits, cache, last, done, logprob,
   left as they are: no log-softmax over the vocabulary (on a 2-core CPU, 1.3-1.4 ms of a step
   of about 20 ms at 128 rows and 8,000 tokens: docs/translating.md)."""
   logits, cache = tokens_to_logits(last[:, None], cache)  # [B, V]
+  logits, ids = columns(logits)
   token = sampler(logits, keys).astype(jnp.int32)
   if scores:
     # The chosen token's log-probability, without writing the [B, V] log-softmax.
@@ -138,7 +161,7 @@ def sample_step(tokens_to_logits: TokensToLogits, cache, last, done, logprob,
     logp = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
             - jax.nn.logsumexp(logits, axis=-1))  # [B]
     logprob = logprob + jnp.where(done, 0.0, logp)
-  token = jnp.where(done, specials.pad, token)
+  token = jnp.where(done, specials.pad, token_ids(token, ids))
   return cache, token, done | (token == specials.eos), logprob
 
 
@@ -332,6 +355,7 @@ def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha
   else:
     last = jnp.take_along_axis(live_seqs, i[:, None, None], axis=2)[:, :, 0]
   logits, cache = tokens_to_logits(last.reshape(b * k, 1), cache)  # [B*K, V]
+  logits, ids = columns(logits)
   logits = logits.astype(jnp.float32).reshape(b, k, -1)  # [B, K, V]
   vocab = logits.shape[-1]
   # The 2K best continuations of the sentence are among the 2K best of each beam: pick
@@ -346,6 +370,7 @@ def beam_step(tokens_to_logits: TokensToLogits, state, specials: Specials, alpha
   top_logp, pick = lax.top_k(cand, 2 * k)  # [B, 2K]: enough to keep K that go on.
   beam = pick // per_row
   token = jnp.take_along_axis(row_idx.reshape(b, -1), pick, axis=1).astype(jnp.int32)
+  token = token_ids(token, ids)
   seqs = jnp.take_along_axis(live_seqs, beam[:, :, None], axis=1)  # [B, 2K, L+1]
   if jnp.ndim(i) == 0:
     seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))

@@ -15,13 +15,38 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from transformer_jax.data.tokenizer import EOS
 from transformer_jax.decoding import platforms, slots, streams
+from transformer_jax.decoding import shortlist as vocab_map
 from transformer_jax.data.catalog import DATASETS
 from transformer_jax.decoding.generation import SPECIALS, encode_sources, scored, slot_model, strip
 from transformer_jax.decoding.options import DecodeOptions, InferenceError
+from transformer_jax.models import int8
 from transformer_jax.programs import ProgramStore
 from transformer_jax.runs import restore
 from transformer_jax.runs.workdir import Workdir
+
+
+# The columns a slot decoder's steps project onto with a shortlist, by the searches it runs at
+# once (its slots): the union of that many sources' candidates fits. On the main job's model and
+# map (shortlist.py's defaults), 30 groups of random validation sources: 32 sources brought
+# 2,713 pieces (median; at most 2,980), 128 sources 3,982 (at most 4,097).
+SHORTLIST_WIDTH = ((8, 2048), (32, 3072), (64, 4096), (1 << 30, 5120))
+
+
+def shortlist_width(num_slots: int, beam_size: int) -> int:
+  """The columns a slot decoder's steps project onto with a shortlist, where none is named:
+  SHORTLIST_WIDTH's for the nearest number of searches (slots) at or above `num_slots`."""
+  return next((w for n, w in SHORTLIST_WIDTH if num_slots <= n), SHORTLIST_WIDTH[-1][1])
+
+
+def quantized(config, params):
+  """The parameters with int8 kernels (models/int8.py), the tied token table among them."""
+  model = config.model
+  table = None
+  if model.tie_output:
+    table = "src_embed" if model.share_embeddings else "tgt_embed"
+  return jax.jit(functools.partial(int8.quantize, table=table))(params)
 
 
 class Translator:
@@ -30,7 +55,8 @@ class Translator:
 
   def __init__(self, workdir: str | Path | Sequence[str | Path], step: int | None = None,
                ema: bool = True, programs: ProgramStore | None = None,
-               platform: str | None = None):
+               platform: str | None = None, int8_weights: bool = False,
+               shortlist: str | Path | None = None, shortlist_width: int = 0):
     """`workdir`: one, or several decoded as an ensemble (their log-probabilities averaged at
     every step); the first gives the config (max_len, decoding defaults). `step`: the
     checkpoint to read (every workdir's), default the newest that verifies. `ema`: decode with
@@ -38,7 +64,9 @@ class Translator:
     schedule-free's). `programs`: where the
     decoding slots' compiled programs are kept for later commands. `platform`: whose slot
     settings (lanes, width classes, run sizes) decode_slots uses, default the device's ("cpu",
-    "gpu" or "tpu"; a CPU can run an accelerator's)."""
+    "gpu" or "tpu"; a CPU can run an accelerator's). `int8_weights`: every member's products
+    in int8 (models/int8.py). `shortlist`: a vocabulary shortlist file (shortlist.py) the slot
+    decoders project onto, `shortlist_width` columns a step (0: SHORTLIST_WIDTH's)."""
     self.programs = ProgramStore(None) if programs is None else programs  # None: nothing kept.
     workdirs = [workdir] if isinstance(workdir, (str, Path)) else list(workdir)
     if not workdirs:
@@ -54,7 +82,7 @@ class Translator:
       if not models:
         self.config, self.tokenizers, self.uses_ema = config, tok, uses_ema
       models.append(model)
-      params.append(member_params)
+      params.append(quantized(config, member_params) if int8_weights else member_params)
       steps.append(member_step)
       tokenizers.append(tok)
       max_lens.append(config.data.max_len)
@@ -63,6 +91,13 @@ class Translator:
     self.max_src_len = min(max_lens)  # Sources longer than a member's max_len are truncated.
     self.max_output_len = 4 * self.max_src_len  # Longer outputs than this are refused.
     self._slot_decoders: dict[tuple, slots.SlotDecoder] = {}
+    self.shortlist, self.shortlist_width = None, shortlist_width
+    if shortlist is not None:
+      try:
+        self.shortlist = vocab_map.read(shortlist, self.tokenizers.tgt.pieces())
+      except OSError as e:
+        raise InferenceError(f"cannot read the shortlist {shortlist}: {e.strerror or e}"
+                             ) from None
     # The slot settings of decode_slots: streams of slots that decode a file at once, the
     # decoders' width classes below the model's max_len, their smallest run size (the sizes
     # above it quarter for a file: slots.RUN_RATIO), the source tokens their encoder computes
@@ -142,8 +177,12 @@ class Translator:
     if key not in self._slot_decoders:
       models = self.model if len(self.models) == 1 else self.models
       params = self.params if len(self.models) == 1 else self.all_params
+      vocab, candidates = self.tokenizers.tgt.vocab_size, None
+      if self.shortlist is not None:
+        columns = self.shortlist_width or shortlist_width(num_slots, options.beam_size)
+        candidates = vocab_map.Candidates(self.shortlist, vocab, (EOS,), columns)
       self._slot_decoders[key] = slots.SlotDecoder(
-          slot_model(models, self.tokenizers.tgt.vocab_size), params, num_slots, width,
+          slot_model(models, vocab, candidates), params, num_slots, width,
           max_len, SPECIALS, options.beam_size, beam_stop=options.beam_stop,
           programs=self.programs, min_rows_fraction=self.min_rows_fraction,
           row_copy=self.row_copy, encode_tokens=self.encode_tokens, scores=scores,

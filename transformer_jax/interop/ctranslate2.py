@@ -20,6 +20,7 @@ from transformer_jax.decoding.translator import Translator
 from transformer_jax.interop import tables
 from transformer_jax.models.common import sinusoidal_positions
 
+VMAP_FILE = "vmap.txt"  # Where a CTranslate2 model keeps its vocabulary map.
 CT2_DEFAULT_POSITIONS = 1025  # Positions CTranslate2's default length limits can reach.
 # The weight types CTranslate2's converter stores (`--quantization`).
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",

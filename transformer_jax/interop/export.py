@@ -5,7 +5,8 @@
 
   python -m transformer_jax export --workdir runs/lm_shakespeare --to huggingface runs/lm_hf
 
-`ctranslate2`: a CTranslate2 model directory (ctranslate2.py) and the SentencePiece model
+`ctranslate2`: a CTranslate2 model directory (ctranslate2.py), with the workdir's vocabulary
+shortlist as its vmap.txt where it has one (decoding/shortlist.py), and the SentencePiece model
 beside it (`tokenizer.model`); `huggingface`: a `transformers` model directory of any family
 (huggingface.py); `jax`: `jax.export` programs of the decoder and what runs them
 (jax_export.py).
@@ -17,12 +18,14 @@ complete: nothing half-written is left, and nothing that exists is cleared.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 from absl import logging
 
 from transformer_jax import fs
 from transformer_jax.data.tokenizer import SPM_FILE, SentencePiece
+from transformer_jax.decoding import shortlist
 from transformer_jax.decoding.options import DecodeOptions
 from transformer_jax.decoding.translator import Translator
 from transformer_jax.errors import UserError
@@ -78,6 +81,8 @@ def export(workdir: str | Path, to: str, output: str | Path, *, step: int | None
   with fs.new_directory(output) as partial:
     if to == "ctranslate2":
       ctranslate2.write(translator, partial, quantization)
+      if (Path(workdir) / shortlist.FILE).exists():  # CTranslate2's vocabulary map (use_vmap).
+        shutil.copyfile(Path(workdir) / shortlist.FILE, partial / ctranslate2.VMAP_FILE)
     else:
       decode = translator.config.decode
       jax_export.write(translator, partial, beam_size or decode.beam_size,

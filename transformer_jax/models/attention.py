@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.models import splash
+from transformer_jax.models import int8, splash
 from transformer_jax.models.common import TransformerConfig, xavier_init
 
 
@@ -93,7 +93,12 @@ class MultiHeadAttention(nn.Module):
     dt = self.cfg.compute_dtype
     out = []
     for name in names:
-      y = jnp.einsum("bld,dnh->blnh", x.astype(dt), getattr(self, f"{name}_kernel").astype(dt))
+      kernel, scale = getattr(self, f"{name}_kernel"), int8.scale_of(self, f"{name}_kernel")
+      if scale is not None:  # int8 weights (decoding: models/int8.py).
+        y = int8.matmul(x, kernel, scale, contract=0).reshape(*x.shape[:-1], *kernel.shape[1:])
+        y = y.astype(dt)
+      else:
+        y = jnp.einsum("bld,dnh->blnh", x.astype(dt), kernel.astype(dt))
       if self.cfg.attention_bias:
         y = y + getattr(self, f"{name}_bias").astype(dt)
       out.append(nn.with_logical_constraint(y, ("batch", "length", "heads", "kv")))
@@ -141,8 +146,12 @@ class MultiHeadAttention(nn.Module):
     dt = self.cfg.compute_dtype
     # [B, T, N, H] -> [B, T, D] as one 2-D contraction over N*H (no per-call kernel copy on CPU).
     b, t, n, h = out.shape
-    y = jnp.einsum("btk,kd->btd", out.reshape(b, t, n * h),
-                   self.out_kernel.astype(dt).reshape(n * h, -1))
+    scale = int8.scale_of(self, "out_kernel")
+    if scale is not None:
+      y = int8.matmul(out.reshape(b, t, n * h), self.out_kernel, scale, contract=0).astype(dt)
+    else:
+      y = jnp.einsum("btk,kd->btd", out.reshape(b, t, n * h),
+                     self.out_kernel.astype(dt).reshape(n * h, -1))
     if self.cfg.attention_bias:
       y = y + self.out_bias.astype(dt)
     return y

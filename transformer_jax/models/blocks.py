@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from transformer_jax.models import int8
 from transformer_jax.models.attention import MultiHeadAttention
 from transformer_jax.models.common import TransformerConfig, xavier_init
 
@@ -43,19 +44,35 @@ def activation(cfg: TransformerConfig):
   return gelu_erf
 
 
+class Dense(nn.Module):
+  """nn.Dense's layer and parameters ("kernel" [K, N], "bias" [N]), multiplying in int8 where
+  the tree gives its kernel as int8 values and scales (decoding: models/int8.py)."""
+  features: int
+  cfg: TransformerConfig
+  axes: tuple[str, str]
+
+  @nn.compact
+  def __call__(self, x):
+    dt = self.cfg.compute_dtype
+    kernel = self.param("kernel", xavier_init(self.axes), (x.shape[-1], self.features))
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                           self.axes[1:]), (self.features,))
+    scale = int8.scale_of(self, "kernel")
+    if scale is not None:
+      return (int8.matmul(x, kernel, scale, contract=0) + bias).astype(dt)
+    x, kernel, bias = x.astype(dt), kernel.astype(dt), bias.astype(dt)
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))) + bias
+
+
 class FeedForward(nn.Module):
   cfg: TransformerConfig
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     cfg = self.cfg
-    h = nn.Dense(cfg.ffn_dim, dtype=cfg.compute_dtype, kernel_init=xavier_init(("embed", "mlp")),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
-                 name="wi")(x)  # [B, L, F]
+    h = Dense(cfg.ffn_dim, cfg, ("embed", "mlp"), name="wi")(x)  # [B, L, F]
     h = nn.with_logical_constraint(activation(cfg)(h), ("batch", "length", "mlp"))
-    return nn.Dense(cfg.d_model, dtype=cfg.compute_dtype, kernel_init=xavier_init(("mlp", "embed")),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-                    name="wo")(h)  # [B, L, D]
+    return Dense(cfg.d_model, cfg, ("mlp", "embed"), name="wo")(h)  # [B, L, D]
 
 
 class Sublayer(nn.Module):

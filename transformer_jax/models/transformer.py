@@ -22,11 +22,12 @@ from __future__ import annotations
 
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import sharding
-from transformer_jax.models import embedding
+from transformer_jax.models import embedding, int8
 from transformer_jax.models.attention import SegmentMask
 from transformer_jax.models.blocks import (ScannedDecoder, ScannedEncoder, UnrolledDecoder,
                                            UnrolledEncoder, activation)
@@ -47,8 +48,16 @@ class Embed(nn.Module):
         nn.initializers.normal(self.cfg.d_model ** -0.5), ("vocab", "embed")),
                                 (self.vocab_size, self.cfg.d_model))
 
+  def scale(self) -> jax.Array | None:
+    """The table's per-row scales [V] when its values are int8 (models/int8.py), else None."""
+    return int8.scale_of(self, "embedding")
+
   def __call__(self, tokens):
     """tokens: [B, L] int -> [B, L, D] in the compute dtype."""
+    scale = self.scale()
+    if scale is not None:  # int8 rows, each times its scale.
+      rows = jnp.take(self.embedding, tokens, axis=0).astype(jnp.float32)
+      return (rows * jnp.take(scale, tokens, axis=0)[..., None]).astype(self.cfg.compute_dtype)
     return embedding.lookup(self.embedding, tokens, self.cfg.compute_dtype, self.cfg.embed_grad,
                             sharding.data_parallel_size())
 
@@ -125,7 +134,25 @@ class _Shared:
     if not self.cfg.tie_output:
       return self.output_proj(y)
     dt = self.cfg.compute_dtype
+    scale = self._output_embed().scale()
+    if scale is not None:  # An int8 table (decoding: models/int8.py).
+      return int8.matmul(y, self._output_table(), scale, contract=1).astype(dt)
     return tied_logits(y.astype(dt), self._output_table().astype(dt))
+
+  def _output_table(self):
+    return self._output_embed().embedding
+
+  def _logits_of(self, y, ids):
+    """[B, T, D] -> [B, T, C]: `_logits`' columns of the vocabulary ids `ids` [C] alone."""
+    dt = self.cfg.compute_dtype
+    if not self.cfg.tie_output:
+      kernel, bias = self.output_weights()
+      return y.astype(dt) @ jnp.take(kernel, ids, axis=1) + jnp.take(bias, ids)
+    rows = jnp.take(self._output_table(), ids, axis=0)  # [C, D]
+    scale = self._output_embed().scale()
+    if scale is not None:
+      return int8.matmul(y, rows, jnp.take(scale, ids), contract=1).astype(dt)
+    return tied_logits(y.astype(dt), rows.astype(dt))
 
   def output_weights(self):
     """(kernel [D, V], bias [V] or None) of the vocabulary projection in the compute dtype:
@@ -182,8 +209,8 @@ class Transformer(_Shared, nn.Module):
       self.output_proj = _output_projection(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
-  def _output_table(self):
-    return self.tgt_embed.embedding
+  def _output_embed(self):
+    return self.tgt_embed
 
   def encode(self, src, src_segments=None, src_positions=None, deterministic=True):
     """src: [B, S] int tokens (0 = padding) -> memory [B, S, D]."""
@@ -217,11 +244,12 @@ class Transformer(_Shared, nn.Module):
     cross_k, cross_v = self.decoder_stack.cross_kv(memory)
     return {"k": cross_k, "v": cross_v, "valid": src_segments > 0}
 
-  def decode_step(self, tokens, cache, source):
+  def decode_step(self, tokens, cache, source, ids=None):
     """tokens: [B*K, 1], the previous outputs (or <bos>) of K rows per source (beams; K = 1 for
     greedy) -> (logits [B*K, V] float32, cache). `source`: `source_state`'s, of the B sources.
     cache["index"]: the position decoded, one for all rows ([]) or one a row ([B*K]: decoding
-    slots, each row at its own step)."""
+    slots, each row at its own step). `ids` [C]: the logits of those vocabulary ids only,
+    [B*K, C] (a shortlist)."""
     index = cache["index"]
     positions = jnp.broadcast_to(jnp.reshape(index, (-1, 1)), tokens.shape)
     y = self._inputs(self.tgt_embed, tokens, positions, True)
@@ -231,7 +259,7 @@ class Transformer(_Shared, nn.Module):
     y, layers = self.decoder_stack.step(y, layers, cross, index, cross_mask)
     if self.cfg.pre_ln:
       y = self.decoder_norm(y)
-    logits = self._logits(y)
+    logits = self._logits(y) if ids is None else self._logits_of(y, ids)
     return logits[:, 0].astype(jnp.float32), {"index": index + 1, **layers}
 
   def __call__(self, src, tgt_in, src_segments=None, tgt_segments=None, src_positions=None,
@@ -273,8 +301,8 @@ class LanguageModel(_Shared, nn.Module):
       self.output_proj = _output_projection(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
-  def _output_table(self):
-    return self.embed.embedding
+  def _output_embed(self):
+    return self.embed
 
   def features(self, tokens, segments=None, positions=None, deterministic=True):
     """tokens: [B, T] int (0 = padding) -> [B, T, D] features before the vocabulary projection.
@@ -348,8 +376,8 @@ class MaskedLanguageModel(_Shared, nn.Module):
       self.output_proj = _output_projection(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
-  def _output_table(self):
-    return self.embed.embedding
+  def _output_embed(self):
+    return self.embed
 
   def encode(self, tokens, segments=None, positions=None, deterministic=True):
     """tokens: [B, T] int (0 = padding) -> the encoder's output [B, T, D]."""
