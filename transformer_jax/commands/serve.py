@@ -258,7 +258,7 @@ def _translation_app(FLAGS, config, beam_sizes, slots, programs):
   from transformer_jax.decoding.shortlist import for_workdir
   translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs,
                           int8_weights=FLAGS.int8,
-                          shortlist=FLAGS.shortlist and for_workdir(FLAGS.workdir[0]))
+                          shortlist=for_workdir(FLAGS.workdir[0]) if FLAGS.shortlist else None)
   return create_app(Service(translator, settings))
 
 

@@ -211,7 +211,7 @@ def main(argv):
       raise InferenceError("--shortlist needs decoding slots: --slots 0 decodes in batches")
     translator = Translator(FLAGS.workdir, FLAGS.step, ema=FLAGS.ema, programs=programs,
                             int8_weights=FLAGS.int8,
-                            shortlist=FLAGS.shortlist and shortlist_file(FLAGS.workdir[0]))
+                            shortlist=shortlist_file(FLAGS.workdir[0]) if FLAGS.shortlist else None)
     if FLAGS.lanes != "auto":
       translator.lanes = int(FLAGS.lanes)
     limit = translator.max_output_len
