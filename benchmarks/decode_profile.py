@@ -27,7 +27,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import cpu_model  # noqa: E402
+from benchmarks.machine import cpu_model, use_cpu_threads  # noqa: E402
 
 
 def _timed(fn, args, repeats: int) -> float:
@@ -57,9 +57,7 @@ def main():
                       help="Steps of a looped part per call (its cache carried, as in a run).")
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                             f"{'true' if args.threads > 1 else 'false'} "
-                             f"intra_op_parallelism_threads={args.threads}").strip()
+  use_cpu_threads(args.threads)
 
   import jax
   import jax.numpy as jnp

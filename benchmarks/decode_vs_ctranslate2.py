@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.machine import cpu_model  # noqa: E402
+from benchmarks.machine import cpu_model, use_cpu_threads  # noqa: E402
 
 
 def _version(package: str) -> str:
@@ -81,9 +81,7 @@ def main():
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   # XLA's CPU thread pool: set before jax starts.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                             f"{'true' if args.threads > 1 else 'false'} "
-                             f"intra_op_parallelism_threads={args.threads}").strip()
+  use_cpu_threads(args.threads)
 
   import jax
   import sacrebleu

@@ -3,8 +3,16 @@ client uses it too)."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
+
+
+def use_cpu_threads(threads: int) -> None:
+  """XLA's CPU thread pool of `threads` threads (set before jax starts)."""
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                             f"{'true' if threads > 1 else 'false'} "
+                             f"intra_op_parallelism_threads={threads}").strip()
 
 
 def cpu_model() -> str:

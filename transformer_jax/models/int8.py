@@ -48,20 +48,14 @@ def quantize(params: dict[str, Any], table: str | None = None) -> dict[str, Any]
       if isinstance(value, dict):
         out[key] = walk(value, key)
         continue
-      quantized = (key in CONTRACTED and key not in ("kernel", "embedding")
-                   or key == "kernel" and name in DENSE_MODULES
-                   or key == "embedding" and name == table)
+      owner = {"kernel": DENSE_MODULES, "embedding": (table,)}.get(key)
+      quantized = key in CONTRACTED and (owner is None or name in owner)
       if quantized and value.dtype != jnp.int8:
         out[key], out[f"{key}_scale"] = _scaled(value, CONTRACTED[key])
       else:
         out[key] = value
     return out
   return walk(dict(params), None)
-
-
-def is_quantized(params: dict[str, Any]) -> bool:
-  """Whether a parameter tree holds int8 kernels."""
-  return any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params))
 
 
 def scale_of(module, name: str) -> jax.Array | None:
