@@ -40,9 +40,9 @@
 # test suite runs every part so: tests/system/test_run_gpu.py). Every command, flag and config
 # override is the GPU run's; only sizes change: each config at its `:smoke` size, each count
 # (steps, rounds, repeats, seconds, pairs, vocabulary, sentences) cut, of the variants of one
-# command the first and the last, a command repeated for the big size left to the base size
-# (one toy model), the pytest steps collected rather than run (the suite runs those tests
-# itself), no nvidia-smi, XLA's backend optimizations off.
+# command the last alone, a command repeated (for the big size, for a filled cache) run once,
+# the pytest steps collected rather than run (the suite runs those tests itself), no
+# nvidia-smi, XLA's backend optimizations off.
 # Each command's JSON and the whole log go to OUT_DIR. A command that fails is reported and the
 # next one still runs; the script's exit status is the number of failures (98: an OUT_DIR
 # that a part would overwrite, 99: no wheels).
@@ -50,9 +50,9 @@ set -uo pipefail
 dry=${DRY:-0}
 n() { if [ "$dry" = 1 ]; then echo "$2"; else echo "$1"; fi; }  # n GPU_COUNT TOY_COUNT
 cfg() { echo "configs/$1.py$(n '' :smoke)"; }  # cfg NAME: the config file, toy-sized in a dry run
-# some A B ... Z: all of them on a GPU; in a dry run the first and the last (the variants of one
-# command share its code paths at toy sizes, and the last combines the levers before it).
-some() { if [ "$dry" = 1 ] && [ $# -gt 2 ]; then echo "$1" "${@: -1}"; else echo "$@"; fi; }
+# some A B ... Z: all of them on a GPU; in a dry run the last alone (the variants of one command
+# share its flags and code paths at toy sizes, and the last combines the levers before it).
+some() { if [ "$dry" = 1 ]; then echo "${@: -1}"; else echo "$@"; fi; }
 variants() { for v in $(some "$@"); do printf -- '--variant %s ' "$v"; done; }  # variants A B ...
 
 out=${1:?usage: benchmarks/run_gpu.sh OUT_DIR [real|train|1|2|3|decode|lm|lm_peer|mfu]}
@@ -148,9 +148,9 @@ elif [ "$part" = decode ]; then
   step train_fra_eng 900 $py train.py --config "$(cfg fra_eng)" --workdir "$out/fra_eng" \
       --config.data.data_dir "$data/fra-eng" --config.data.tfds_dir "$out/tfds"
   # BEAM:SLOTS pairs, in order; each translates the file twice (the second with a filled cache).
-  for pair in ${DECODE_RUNS:-4:auto 1:auto}; do
+  for pair in $(some ${DECODE_RUNS:-4:auto 1:auto}); do
     beam=${pair%%:*} slots=${pair#*:}
-    for run in first second; do
+    for run in $(n "first second" first); do
       step "translate_beam${beam}_slots${slots}_$run" 600 bash -c "time $py -m transformer_jax \
           translate --workdir $out/fra_eng --input $tatoeba.eng --reference $tatoeba.fra \
           --output $out/tatoeba_beam${beam}_slots$slots.hyp --beam_size $beam --slots $slots \

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 import sysconfig
+from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.conftest import DATA, ROOT
 
@@ -17,6 +22,41 @@ def _site_without_this_package(directory: Path) -> Path:
   for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
     if not entry.name.lower().startswith(("transformer_jax", "__editable__")):
       (directory / entry.name).symlink_to(entry)
+  return directory
+
+
+def _requirement_closure(requirements: list[str]) -> list[metadata.Distribution]:
+  """The distributions of this environment that pip would install for `requirements` (the
+  requirements of a package's metadata, markers and extras evaluated), each checked to satisfy
+  every specifier that asks for it."""
+  found: dict[str, metadata.Distribution] = {}
+  expanded: dict[str, set[str]] = {}  # The extras whose requirements are in `todo` already.
+  todo = [(Requirement(r), "") for r in requirements]
+  while todo:
+    requirement, extra = todo.pop()
+    if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+      continue
+    name = canonicalize_name(requirement.name)
+    dist = found.get(name) or metadata.distribution(name)
+    assert requirement.specifier.contains(dist.version, prereleases=True), (requirement, dist.version)
+    if name not in found:
+      found[name] = dist
+      todo += [(Requirement(r), "") for r in dist.requires or ()]
+    for wanted in requirement.extras - expanded.get(name, set()):  # An extra's own too.
+      expanded.setdefault(name, set()).add(wanted)
+      todo += [(Requirement(r), wanted) for r in dist.requires or () if "extra" in r]
+  return list(found.values())
+
+
+def _site_of(distributions: list[metadata.Distribution], directory: Path) -> Path:
+  """`directory` holding links to the files of `distributions` alone (each one's top-level
+  packages, modules and metadata), as pip would have installed them."""
+  directory.mkdir()
+  for dist in distributions:
+    site = Path(dist.locate_file(""))
+    for top in {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}:
+      if not (directory / top).exists() and (site / top).exists():
+        (directory / top).symlink_to(site / top)
   return directory
 
 
@@ -62,14 +102,25 @@ def test_a_plain_install_runs_every_command_that_needs_no_extra(tmp_path, traine
   """`pip install .` with no extra into a fresh venv (no TensorFlow, CTranslate2 or Starlette to
   bring a package in unseen): each command's smallest real use on the smoke run; the commands
   that need an extra say which in one line. A dependency the package uses but does not declare
-  fails here (jax.export's serialization needs flatbuffers, which jax does not declare)."""
+  fails here (jax.export's serialization needs flatbuffers, which jax does not declare). The
+  venv sees only the distributions the built package's metadata requires, transitively, linked
+  from this environment (what pip would install, without unpacking them again: a minute)."""
   source = _source_copy(tmp_path)  # pip builds beside its source.
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
   python = str(venv / "bin" / "python")
-  install = subprocess.run([python, "-m", "pip", "install", "-q", str(source)],
+  install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(source)],
                            capture_output=True, text=True, timeout=900)
   assert install.returncode == 0, install.stderr[-2000:]
+  declared = json.loads(subprocess.run(
+      [python, "-c", "import json, importlib.metadata as m; "
+       "print(json.dumps(m.requires('transformer_jax')))"],
+      check=True, capture_output=True, text=True).stdout)
+  assert "flatbuffers>=24" in declared  # What the built wheel declares, not the source tree.
+  site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                        check=True, capture_output=True, text=True).stdout.strip()
+  dependencies = _site_of(_requirement_closure(declared), tmp_path / "site")
+  (Path(site) / "zz_dependencies.pth").write_text(f"{dependencies}\n")
   for extra in ("tensorflow", "ctranslate2", "starlette"):  # Truly without the extras.
     assert subprocess.run([python, "-c", f"import {extra}"], capture_output=True).returncode == 1
   run_dir = tmp_path / "run"
