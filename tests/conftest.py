@@ -62,12 +62,15 @@ def pytest_configure(config):
 # hands each worker whole files (--dist loadfile) in the collection's order, kept as it is
 # below: the long files go out first and the last ones handed out are short, so the two workers
 # end together (xdist's own order, by number of tests, left one idle for a minute at the end).
-LONGEST_FIRST = ("test_run_gpu.py", "test_aot.py", "test_serve.py", "test_slots.py", "test_multihost.py",
-                 "test_translate.py", "test_reliability.py", "test_benchmarks.py",
-                 "test_docs.py", "test_translator.py", "test_encoder_only.py", "test_sharding.py",
-                 "test_lm_training.py", "test_model.py", "test_export.py",
-                 "test_user_mistakes.py", "test_install.py", "test_step.py",
-                 "test_huggingface_import.py", "test_decode.py", "test_no_tensorflow.py")
+LONGEST_FIRST = ("test_slots.py", "test_run_gpu.py", "test_aot.py", "test_reliability.py",
+                 "test_encoder_only.py", "test_multihost.py", "test_user_mistakes.py",
+                 "test_translate.py", "test_serve.py", "test_benchmarks.py", "test_lm_training.py",
+                 "test_owned_files.py", "test_translator.py", "test_fast_decoding.py",
+                 "test_sharding.py", "test_model.py", "test_docs.py", "test_command_line.py",
+                 "test_decode.py", "test_huggingface_import.py", "test_average.py",
+                 "test_export.py", "test_completions.py", "test_step.py", "test_install.py",
+                 "test_moved_run.py", "test_language_model.py", "test_train.py",
+                 "test_no_tensorflow.py")
 
 
 def pytest_collection_modifyitems(config, items):
