@@ -328,3 +328,22 @@ def test_a_vocabulary_larger_than_the_corpus_gives_is_said_in_a_warning(caplog):
   assert 4 < pieces < 200
   assert (f"data.vocab_size=1000000000, but this corpus gives {pieces} pieces: the tokenizer "
           f"and the model have {pieces}") in caplog.text
+
+
+_FIT = """
+import hashlib, sys
+from transformer_jax.data.tokenizer import SentencePiece
+lines = [f"line {i} of {'abcdefghij'[i % 10] * (1 + i % 7)} words {i * 7919 % 1000}" for i in range(6000)]
+print(hashlib.sha256(SentencePiece.train(lines, 300, max_sentences=2000).model_proto).hexdigest())
+"""
+
+
+def test_a_tokenizer_fitted_on_a_sample_of_a_larger_input_is_the_same_in_every_process():
+  """Two processes fit one corpus of more sentences than the sample: one tokenizer (with
+  SentencePiece's own sampling they differed, and so did two runs of one language model)."""
+  import subprocess
+  import sys
+  from tests.conftest import ROOT
+  fits = {subprocess.run([sys.executable, "-c", _FIT], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=300).stdout.strip() for _ in range(2)}
+  assert len(fits) == 1 and len(fits.pop()) == 64

@@ -11,6 +11,7 @@ import collections
 import io
 import hashlib
 import json
+import random
 import re
 from pathlib import Path
 from typing import Iterable, NamedTuple, Protocol
@@ -45,6 +46,19 @@ class Tokenizer(Protocol):
 THREADED_ENCODE = 64
 
 
+def _same_sample(sentences: Iterable[str], k: int) -> list[str]:
+  """At most `k` of `sentences` in their order, the same `k` on every run (reservoir sampling
+  from a fixed seed): SentencePiece's own sampling of a larger input draws from a seed of its
+  own, and two fits of one corpus gave two tokenizers."""
+  rng, kept = random.Random(0), []
+  for i, sentence in enumerate(sentences):
+    if i < k:
+      kept.append((i, sentence))
+    elif (j := rng.randrange(i + 1)) < k:
+      kept[j] = (i, sentence)
+  return [sentence for _, sentence in sorted(kept)]
+
+
 class SentencePiece:
   """A joint SentencePiece unigram model."""
 
@@ -73,9 +87,9 @@ class SentencePiece:
                  allow_whitespace_only_pieces=True, byte_fallback=True) if lossless else {}
     try:
       spm.SentencePieceTrainer.train(
-          sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
-          model_type="unigram", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
-          unk_id=UNK, input_sentence_size=max_sentences, shuffle_input_sentence=True,
+          sentence_iterator=iter(_same_sample(sentences, max_sentences)), model_writer=model,
+          vocab_size=vocab_size, model_type="unigram", character_coverage=1.0, pad_id=PAD,
+          bos_id=BOS, eos_id=EOS, unk_id=UNK, input_sentence_size=max_sentences,
           num_threads=2, minloglevel=2, hard_vocab_limit=False,  # Small corpora: fewer pieces.
           **exact)
     except RuntimeError as e:
