@@ -1,9 +1,11 @@
 import functools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import DATA
+from tests.conftest import DATA, ROOT
 from transformer_jax.data import builders, packing, pipeline, sources, token_cache
 from transformer_jax.data.tokenizer import BOS, EOS, Tokenizers, WordVocab, train_tokenizers
 
@@ -341,9 +343,6 @@ print(hashlib.sha256(SentencePiece.train(lines, 300, max_sentences=2000).model_p
 def test_a_tokenizer_fitted_on_a_sample_of_a_larger_input_is_the_same_in_every_process():
   """Two processes fit one corpus of more sentences than the sample: one tokenizer (with
   SentencePiece's own sampling they differed, and so did two runs of one language model)."""
-  import subprocess
-  import sys
-  from tests.conftest import ROOT
   fits = {subprocess.run([sys.executable, "-c", _FIT], cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=300).stdout.strip() for _ in range(2)}
   assert len(fits) == 1 and len(fits.pop()) == 64

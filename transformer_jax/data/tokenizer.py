@@ -11,7 +11,6 @@ import collections
 import io
 import hashlib
 import json
-import random
 import re
 from pathlib import Path
 from typing import Iterable, NamedTuple, Protocol
@@ -47,16 +46,14 @@ THREADED_ENCODE = 64
 
 
 def _same_sample(sentences: Iterable[str], k: int) -> list[str]:
-  """At most `k` of `sentences` in their order, the same `k` on every run (reservoir sampling
-  from a fixed seed): SentencePiece's own sampling of a larger input draws from a seed of its
-  own, and two fits of one corpus gave two tokenizers."""
-  rng, kept = random.Random(0), []
-  for i, sentence in enumerate(sentences):
-    if i < k:
-      kept.append((i, sentence))
-    elif (j := rng.randrange(i + 1)) < k:
-      kept[j] = (i, sentence)
-  return [sentence for _, sentence in sorted(kept)]
+  """At most `k` of `sentences` in their order, the same `k` on every run (a fixed seed):
+  SentencePiece's own sampling of a larger input draws from a seed of its own, and two fits of
+  one corpus gave two tokenizers."""
+  sentences = list(sentences)
+  if len(sentences) <= k:
+    return sentences
+  return [sentences[i] for i in np.sort(np.random.default_rng(0).choice(len(sentences), k,
+                                                                        replace=False))]
 
 
 class SentencePiece:
